@@ -1,0 +1,15 @@
+"""Registry of flintgen's kernels, in the order a decode step runs them."""
+
+from __future__ import annotations
+
+from flintgen.kernels.base import KernelDef
+from flintgen.kernels.rms_norm import RMSNormDef
+
+KERNELS: dict[str, KernelDef] = {k.name: k for k in (RMSNormDef(),)}
+
+
+def get_def(name: str) -> KernelDef:
+    try:
+        return KERNELS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel {name!r}: flintgen has {sorted(KERNELS)}") from None

@@ -1,0 +1,278 @@
+"""The model spec: everything about a model that flintgen's kernels depend on.
+
+A ``Spec`` is frozen, validated on construction, hashable, and has one
+canonical JSON form (sorted keys, per-field normalized values) whose sha256 is
+its ``spec_hash``: the same in every process and independent of field order in
+the file it came from.
+
+Runtime values (``rms_eps``, ``softmax_scale``, ``sliding_window`` length,
+``rope_theta``) are recorded in the spec for convenience but are passed to the
+kernels as arguments, so changing them never recompiles anything; only what a
+``KernelDef`` renders into its template reaches a binary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_PAGE_SIZES = (16, 32, 64)
+SUPPORTED_KV_DTYPES = ("bf16",)
+SUPPORTED_KV_LAYOUTS = ("HND",)
+SUPPORTED_WEIGHT_FORMATS = ("bf16", "nvfp4")
+SUPPORTED_ROPE_STYLES = ("neox", "none")
+SUPPORTED_ROPE_SCALINGS = ("none", "llama3", "yarn")
+LAYER_TYPES = ("sliding", "full")
+MAX_TOKENS_LIMIT = 8  # fused-QKV GEMV: the cluster design holds at most 8 token rows
+
+
+def _fail(field_name: str, value: Any, supported: str, fix: str) -> ValueError:
+    return ValueError(
+        f"spec field '{field_name}' = {value!r} is not supported: {supported}. {fix}"
+    )
+
+
+def _check_int(name: str, value: Any, lo: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"spec field '{name}' must be an int, got {type(value).__name__} {value!r}"
+        )
+    if value < lo:
+        raise _fail(name, value, f"must be >= {lo}", f"Set '{name}' to a positive value.")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"spec field '{name}' must be a bool, got {type(value).__name__} {value!r}"
+        )
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise _fail(name, value, f"supported values are {list(choices)}", f"Use one of {list(choices)}.")
+
+
+def _check_float(name: str, value: Any, positive: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"spec field '{name}' must be a number, got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise _fail(name, value, "must be a finite number > 0", f"Set '{name}' to a positive value.")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A model's attention-path shape, per the whole model (not per rank).
+
+    Per-rank head counts (``q_heads_per_rank``, ``kv_heads_per_rank``) are
+    derived from ``tp_size``: q heads are split evenly; kv heads are split when
+    ``num_kv_heads >= tp_size`` and replicated (one per rank) otherwise.
+    """
+
+    name: str = "custom"
+    hidden_size: int = 2048
+    num_q_heads: int = 32
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    page_size: int = 16
+    kv_cache_dtype: str = "bf16"
+    kv_layout: str = "HND"
+    weight_format: str = "nvfp4"
+    qkv_bias: bool = False
+    sinks: bool = True
+    sliding_window: int | None = 128
+    layer_types: tuple[str, ...] = ("sliding", "full")
+    qk_norm: bool = True
+    rope_style: str = "neox"
+    rope_theta: float = 150000.0
+    rope_scaling: str = "none"
+    rope_scaling_params: tuple[tuple[str, float], ...] = ()
+    rms_eps: float = 1e-6
+    softmax_scale: float | None = None
+    max_tokens: int = 8
+    tp_size: int = 1
+    max_batch: int = 256
+
+    def __post_init__(self) -> None:
+        # Normalize containers so equal specs hash equally.
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        params = self.rope_scaling_params
+        if isinstance(params, Mapping):
+            params = params.items()
+        object.__setattr__(
+            self, "rope_scaling_params", tuple(sorted((str(k), float(v)) for k, v in params))
+        )
+        if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
+            object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        self._validate()
+
+    # ------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"spec field 'name' must be a non-empty string, got {self.name!r}")
+        for f in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
+                  "max_tokens", "tp_size", "max_batch"):
+            _check_int(f, getattr(self, f))
+        for f in ("qkv_bias", "sinks", "qk_norm"):
+            _check_bool(f, getattr(self, f))
+        _check_choice("head_dim", self.head_dim, SUPPORTED_HEAD_DIMS)
+        _check_choice("page_size", self.page_size, SUPPORTED_PAGE_SIZES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_DTYPES)
+        _check_choice("kv_layout", self.kv_layout, SUPPORTED_KV_LAYOUTS)
+        _check_choice("weight_format", self.weight_format, SUPPORTED_WEIGHT_FORMATS)
+        _check_choice("rope_style", self.rope_style, SUPPORTED_ROPE_STYLES)
+        _check_choice("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_SCALINGS)
+        _check_float("rope_theta", self.rope_theta)
+        _check_float("rms_eps", self.rms_eps)
+        if self.softmax_scale is not None:
+            _check_float("softmax_scale", self.softmax_scale)
+        if self.hidden_size % 16:
+            raise _fail("hidden_size", self.hidden_size, "must be a multiple of 16 "
+                        "(16-byte bf16 vectors and 16-value NVFP4 scale blocks)",
+                        "Pad the hidden size to a multiple of 16.")
+        if self.num_q_heads % self.num_kv_heads:
+            raise _fail("num_q_heads", self.num_q_heads,
+                        f"must be a multiple of num_kv_heads = {self.num_kv_heads} (GQA)",
+                        "Check the head counts against the model config.")
+        if self.max_tokens > MAX_TOKENS_LIMIT:
+            raise _fail("max_tokens", self.max_tokens, f"1..{MAX_TOKENS_LIMIT} tokens per fused-QKV call",
+                        f"Use max_tokens <= {MAX_TOKENS_LIMIT}; larger token counts belong to a GEMM path.")
+        if self.max_batch > 4096:
+            raise _fail("max_batch", self.max_batch, "1..4096", "Lower max_batch.")
+        if self.num_q_heads % self.tp_size:
+            raise _fail("tp_size", self.tp_size, f"must divide num_q_heads = {self.num_q_heads}",
+                        "Pick a tensor-parallel size that divides the q-head count.")
+        kv, tp = self.num_kv_heads, self.tp_size
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise _fail("tp_size", tp, f"must divide num_kv_heads = {kv} or be a multiple of it "
+                        "(kv heads are then replicated, one per rank)",
+                        "Pick a tensor-parallel size compatible with the kv-head count.")
+        if not self.layer_types:
+            raise _fail("layer_types", self.layer_types, "at least one layer", "List each layer's type.")
+        for i, t in enumerate(self.layer_types):
+            if t not in LAYER_TYPES:
+                raise _fail(f"layer_types[{i}]", t, f"supported values are {list(LAYER_TYPES)}",
+                            f"Use one of {list(LAYER_TYPES)}.")
+        if self.has_sliding:
+            if self.sliding_window is None:
+                raise _fail("sliding_window", None, "a window length is needed when layer_types "
+                            "has 'sliding' layers", "Set sliding_window, or make every layer 'full'.")
+            _check_int("sliding_window", self.sliding_window)
+        elif self.sliding_window is not None:
+            raise _fail("sliding_window", self.sliding_window, "no layer in layer_types is 'sliding'",
+                        "Set sliding_window to None, or mark the sliding layers in layer_types.")
+        if self.rope_style == "none" and self.rope_scaling != "none":
+            raise _fail("rope_scaling", self.rope_scaling, "rope_style is 'none'",
+                        "Set rope_scaling to 'none' or choose a rope_style.")
+
+    # ------------------------------------------------------------- derived
+    @property
+    def gqa(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.num_q_heads // self.tp_size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def has_sliding(self) -> bool:
+        return "sliding" in self.layer_types
+
+    @property
+    def has_full(self) -> bool:
+        return "full" in self.layer_types
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def scale(self) -> float:
+        """Softmax scale passed to decode attention (1/sqrt(head_dim) by default)."""
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def qkv_out_features(self) -> int:
+        """Rows of the per-rank fused QKV weight."""
+        return (self.q_heads_per_rank + 2 * self.kv_heads_per_rank) * self.head_dim
+
+    # ------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["rope_scaling_params"] = {k: v for k, v in self.rope_scaling_params}
+        return d
+
+    def canonical_json(self) -> str:
+        """The one serialization: sorted keys, no whitespace."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def spec_hash(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> "Spec":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Spec":
+        """Build from a mapping; ``preset`` names a base spec the other keys override."""
+        data = dict(data)
+        base: dict[str, Any] = {}
+        if "preset" in data:
+            from flintgen.presets import get_preset
+
+            base = get_preset(data.pop("preset")).to_dict()
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown spec field(s) {unknown}; known fields are {sorted(known)} (plus 'preset'). "
+                "Fix the spelling or remove them."
+            )
+        base.update(data)
+        return cls(**base)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Spec":
+        """Load a ``.toml`` or ``.json`` spec file."""
+        path = os.fspath(path)
+        if path.endswith(".toml"):
+            import tomllib
+
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        elif path.endswith(".json"):
+            with open(path) as f:
+                data = json.load(f)
+        else:
+            raise ValueError(
+                f"spec file {path!r} has an unsupported extension: supported are .toml and .json. "
+                "Rename the file or convert it."
+            )
+        if not isinstance(data, dict):
+            raise ValueError(f"spec file {path!r} must hold a table/object of fields, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+
+def as_spec(spec: "Spec | str") -> Spec:
+    """Accept a Spec or a preset name."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, str):
+        from flintgen.presets import get_preset
+
+        return get_preset(spec)
+    raise TypeError(f"expected a flintgen.Spec or a preset name, got {type(spec).__name__}")
