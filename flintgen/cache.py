@@ -36,7 +36,6 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import filelock
 
@@ -180,8 +179,9 @@ def check_entry(entry: Entry) -> str | None:
         return "missing or unreadable meta.json"
     if meta.get("meta_version") != META_VERSION or meta.get("key") != entry.key:
         return "meta.json does not match this key"
-    if toolchain.dsl_installed() and [list(x) for x in toolchain.dsl_versions()] != meta.get("dsl"):
-        return f"built with DSL {meta.get('dsl')}, installed {toolchain.dsl_versions()}"
+    ident = toolchain.dsl_identity()
+    if ident is not None and ident != meta.get("dsl"):
+        return f"built with DSL {meta.get('dsl')}, installed {ident}"
     so = entry.path("kernel.so")
     try:
         if _sha256_file(so) != meta.get("so_sha256"):
@@ -214,7 +214,7 @@ def try_load(entry: Entry):
         return None
 
 
-def _write_entry(entry: Entry, work: str, on_compiled: Callable | None) -> dict:
+def _write_entry(entry: Entry, work: str) -> dict:
     """Render, compile, export and link into ``work``; returns the meta dict."""
     from flintgen import compiler
 
@@ -223,8 +223,6 @@ def _write_entry(entry: Entry, work: str, on_compiled: Callable | None) -> dict:
         f.write(entry.source)
     result = compiler.compile_module(module_path, entry.module_name, entry.function_name,
                                      entry.target, work)
-    if on_compiled is not None:
-        on_compiled(result)
     compiler.link_shared(result.object_path, os.path.join(work, "kernel.so"))
     with open(os.path.join(work, "kernel.ptx"), "w") as f:
         f.write(result.ptx)
@@ -238,8 +236,8 @@ def _write_entry(entry: Entry, work: str, on_compiled: Callable | None) -> dict:
         "target": entry.target.to_json(),
         "function": entry.function_name,
         "key_material": key_material(entry.variant, entry.source, entry.target),
-        "dsl": [list(x) for x in toolchain.dsl_versions()],
-        "dsl_flavour": toolchain.dsl_flavour(),
+        "dsl": toolchain.dsl_identity(),
+        "dsl_distributions": dict(toolchain.dsl_versions()),
         "tvm_ffi": toolchain.package_version("apache-tvm-ffi"),
         "flintgen": __version__,
         "built_with_python": sys.version.split()[0],
@@ -257,10 +255,17 @@ def build(entry: Entry) -> None:
             f"kernel {entry.variant.name} (key {entry.key[:16]}) is not in the cache at "
             f"{entry.root} and FLINTGEN_NO_JIT=1: build it with `flintgen build` or unset FLINTGEN_NO_JIT"
         )
+    if not toolchain.dsl_installed():
+        raise MissingKernelError(
+            f"kernel {entry.variant.name} (key {entry.key[:16]}) is not in the cache at {entry.root} "
+            "and the CuTe DSL is not installed here to compile it: install nvidia-cutlass-dsl[cu13], "
+            "or carry a cache built with `flintgen build --arch sm_90a --num-sms N` and point "
+            "FLINTGEN_CACHE_DIR at it"
+        )
     os.makedirs(entry.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".build-", dir=entry.dir)
     try:
-        meta = _write_entry(entry, work, None)
+        meta = _write_entry(entry, work)
         with_suppress(os.unlink, entry.path("meta.json"))  # invalidate first
         for name in ("module.py", "kernel.ptx", "kernel.so"):
             os.replace(os.path.join(work, name), entry.path(name))
@@ -277,10 +282,13 @@ def _lock(entry: Entry) -> filelock.FileLock:
 
 def _build_in_memory(entry: Entry):
     """Cache unusable: build in a private temp dir and load from there."""
-    if knobs.no_jit:
-        raise MissingKernelError(f"kernel {entry.variant.name} is not cached and FLINTGEN_NO_JIT=1")
+    if knobs.no_jit or not toolchain.dsl_installed():
+        raise MissingKernelError(
+            f"kernel {entry.variant.name} is not cached at {entry.root} and "
+            + ("FLINTGEN_NO_JIT=1" if knobs.no_jit else "the CuTe DSL is not installed to compile it")
+        )
     work = tempfile.mkdtemp(prefix="flintgen-nocache-")
-    _write_entry(entry, work, None)
+    _write_entry(entry, work)
     return load_library(os.path.join(work, "kernel.so"), entry.function_name)
 
 
@@ -311,9 +319,7 @@ def get_or_build(entry: Entry) -> Outcome:
             return Outcome(True, fn)
         try:
             build(entry)
-        except (PermissionError, OSError) as e:
-            if isinstance(e, MissingKernelError):
-                raise
+        except OSError as e:
             warnings.warn(
                 f"cannot write kernel {entry.variant.name} to the flintgen cache at {entry.root} "
                 f"({e}); using an uncached build. Set FLINTGEN_CACHE_DIR to a writable directory.",
@@ -362,8 +368,9 @@ def verify_dir(d: str, meta: dict | None, load: bool = True) -> str | None:
             return "kernel.so does not match its recorded sha256"
     except OSError:
         return "kernel.so missing"
-    if toolchain.dsl_installed() and [list(x) for x in toolchain.dsl_versions()] != meta.get("dsl"):
-        return f"stale: built with DSL {meta.get('dsl')}"
+    ident = toolchain.dsl_identity()
+    if ident is not None and ident != meta.get("dsl"):
+        return f"stale: built with DSL {meta.get('dsl')}, installed {ident}"
     if load:
         try:
             load_library(so, meta["function"])

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 from flintgen import toolchain
@@ -52,17 +54,18 @@ def parse_ptxas_report(text: str) -> dict:
     for key, rx in _PTXAS.items():
         vals = [int(v) for v in rx.findall(text)]
         out[key] = max(vals) if vals else None
-    out["local_memory"] = bool(re.search(r"\blocal\b", text)) and "ld.local" in text
     return out
 
 
 @contextlib.contextmanager
 def _capture_fds():
-    """Capture everything written to fds 1 and 2 (the DSL prints ptxas remarks
-    from Python and from native code)."""
+    """Capture everything written to fds 1 and 2 and to sys.stdout/sys.stderr
+    (the DSL prints ptxas remarks from Python; native code writes to the fds)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
+    py = io.StringIO()
+    with tempfile.TemporaryFile(mode="w+b") as tmp, contextlib.redirect_stdout(py), \
+            contextlib.redirect_stderr(py):
         saved = os.dup(1), os.dup(2)
         os.dup2(tmp.fileno(), 1)
         os.dup2(tmp.fileno(), 2)
@@ -77,7 +80,7 @@ def _capture_fds():
             os.close(saved[0])
             os.close(saved[1])
             tmp.seek(0)
-            box["text"] = tmp.read().decode(errors="replace")
+            box["text"] = tmp.read().decode(errors="replace") + py.getvalue()
 
 
 def import_file(path: str, name: str):
@@ -97,17 +100,20 @@ def compile_module(module_path: str, module_name: str, function_name: str,
     kernel, args = module.compile_args()
     dump = tempfile.mkdtemp(prefix="dump-", dir=work_dir)
     options = compile_options(target) + f" --keep-ptx --dump-dir {dump}"
+    # ptxas remarks arrive as Python warnings (DSLWarning) or on the fds.
     try:
-        with _capture_fds() as cap:
+        with _capture_fds() as cap, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             fn = cute.compile(kernel, *args, options=options)
     except Exception as e:
         raise RuntimeError(
             f"compiling {module_path} failed: {e}\n--- compiler output ---\n{cap.get('text', '')}"
         ) from e
+    text = cap.get("text", "") + "\n".join(str(w.message) for w in caught)
     ptx = fn.__ptx__ or ""
     obj = os.path.join(work_dir, "kernel.o")
     fn.export_to_c(obj, function_name)
-    report = parse_ptxas_report(cap.get("text", ""))
+    report = parse_ptxas_report(text)
     report["local_memory"] = "ld.local" in ptx or "st.local" in ptx
     return CompileResult(fn, ptx, report, obj)
 

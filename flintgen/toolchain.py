@@ -47,6 +47,19 @@ def dsl_flavour() -> str:
     return "cu13" if "nvidia-cutlass-dsl-libs-cu13" in names else "cu12"
 
 
+def dsl_identity() -> dict[str, str] | None:
+    """What makes a DSL build distinct: its version, the CUDA flavour it
+    compiles with and that flavour's library version. None without the DSL.
+    (Other installed flavours do not change the binary, so a cache built where
+    cu12 and cu13 are both installed is current where only cu13 is.)"""
+    if not dsl_installed():
+        return None
+    names = dict(dsl_versions())
+    flavour = dsl_flavour()
+    return {"nvidia-cutlass-dsl": names["nvidia-cutlass-dsl"], "flavour": flavour,
+            "libs": names.get(f"nvidia-cutlass-dsl-libs-{flavour}", "")}
+
+
 def package_version(name: str) -> str | None:
     try:
         return md.version(name)

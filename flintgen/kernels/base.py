@@ -73,6 +73,9 @@ class KernelDef(abc.ABC):
     name: str
     template: str
     description: str
+    #: PTX fragments every variant must contain (checked in CI on the compiled
+    #: PTX): the instructions the design depends on.
+    required_ptx: tuple[str, ...] = ()
 
     def needed(self, spec: Spec) -> bool:
         """Whether ``spec`` uses this kernel at all."""

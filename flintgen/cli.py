@@ -1,0 +1,242 @@
+"""The ``flintgen`` command line."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+import click
+
+from flintgen import cache, toolchain
+from flintgen._version import __version__
+from flintgen.kernels import KERNELS, get_def
+from flintgen.spec import Spec
+
+
+def _load_spec(preset: str | None, spec_file: str | None) -> Spec:
+    from flintgen.presets import get_preset
+
+    if spec_file:
+        spec = Spec.from_file(spec_file)
+        if preset:
+            raise click.UsageError("give either --preset or --spec, not both")
+        return spec
+    return get_preset(preset or "flint")
+
+
+def _spec_options(f):
+    f = click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False),
+                     help="Spec file (.toml or .json).")(f)
+    f = click.option("--preset", default=None, help="Built-in spec name (default: flint).")(f)
+    return f
+
+
+def _plan(spec: Spec, target, only=()) -> list[tuple[str, object]]:
+    for name in only:
+        get_def(name)  # unknown names fail early
+    plan = []
+    for name, kdef in KERNELS.items():
+        if kdef.needed(spec) and (not only or name in only):
+            plan += [(name, v) for v in kdef.variants(spec, target)]
+    return plan
+
+
+def _build_one(spec: Spec, kernel: str, variant, target, root: str):
+    t0 = time.perf_counter()
+    kdef = get_def(kernel)
+    entry = cache.make_entry(variant, kdef.template, dict(kdef.render_params(spec, variant)), target, root)
+    outcome = cache.get_or_build(entry)
+    meta = cache.read_meta(entry) or {}
+    return variant.name, outcome.hit, time.perf_counter() - t0, meta.get("resources"), entry.dir
+
+
+@click.group()
+@click.version_option(__version__, prog_name="flintgen")
+def main():
+    """flintgen: generate, compile and cache decode kernels for a model spec."""
+
+
+@main.command()
+@_spec_options
+@click.option("--arch", default=None, help="Target arch (sm_90a). Default: the visible GPU's, else sm_90a.")
+@click.option("--num-sms", type=int, default=None, help="SM count. Default: the visible GPU's, else 132.")
+@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Parallel compile processes.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Cache root (default: FLINTGEN_CACHE_DIR, the checkout's cache/, or ~/.cache/flintgen).")
+@click.option("--kernel", "kernels", multiple=True, help="Only these kernels (repeatable). Default: all.")
+def build(preset, spec_file, arch, num_sms, jobs, cache_dir, kernels):
+    """Render and compile every kernel and launch variant the spec needs."""
+    spec = _load_spec(preset, spec_file)
+    if arch is None and num_sms is None and toolchain.gpu_target() is None and not os.environ.get("FLINTGEN_ARCH"):
+        click.echo("no GPU visible: building for sm_90a with 132 SMs (H100 SXM/H200); "
+                   "use --arch/--num-sms to choose", err=True)
+    target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
+    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
+    plan = _plan(spec, target, kernels)
+    click.echo(f"flintgen {__version__}: spec {spec.name} ({spec.spec_hash}), target {target.arch} "
+               f"x {target.num_sms} SMs, cache {root}: {len(plan)} kernels")
+    t0 = time.perf_counter()
+    results, failures = [], []
+    if jobs <= 1:
+        with click.progressbar(plan, label="building", item_show_func=lambda p: p and p[1].name) as bar:
+            for name, v in bar:
+                try:
+                    results.append(_build_one(spec, name, v, target, root))
+                except Exception as e:  # noqa: BLE001 - reported below, build goes on
+                    failures.append((v.name, e))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futs = {pool.submit(_build_one, spec, name, v, target, root): v for name, v in plan}
+            with click.progressbar(length=len(futs), label="building") as bar:
+                for fut in cf.as_completed(futs):
+                    try:
+                        results.append(fut.result())
+                    except Exception as e:  # noqa: BLE001
+                        failures.append((futs[fut].name, e))
+                    bar.update(1)
+    hits = sum(1 for r in results if r[1])
+    for name, hit, secs, res, _ in sorted(results):
+        regs = (res or {}).get("registers")
+        spill = (res or {}).get("spill_store_bytes")
+        click.echo(f"  {'hit ' if hit else 'miss'} {name:<60} {secs:6.2f}s  regs={regs} spill={spill}")
+    click.echo(f"{len(results)} built: {hits} hits, {len(results) - hits} misses, "
+               f"{len(failures)} failed, {time.perf_counter() - t0:.1f}s")
+    for name, e in failures:
+        click.echo(f"FAILED {name}: {e}", err=True)
+    if failures:
+        sys.exit(1)
+
+
+@main.command(name="list")
+@_spec_options
+@click.option("--arch", default=None)
+@click.option("--num-sms", type=int, default=None)
+def list_(preset, spec_file, arch, num_sms):
+    """List the spec's kernels and their launch variants."""
+    spec = _load_spec(preset, spec_file)
+    target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
+    for name, kdef in KERNELS.items():
+        if not kdef.needed(spec):
+            continue
+        click.echo(f"{name}: {kdef.description}")
+        for v in kdef.variants(spec, target):
+            click.echo(f"    {v.name}")
+
+
+@main.command()
+@click.argument("kernel")
+@_spec_options
+@click.option("--variant", "variant_index", type=int, default=0, show_default=True,
+              help="Index of the variant in `flintgen list`.")
+@click.option("--arch", default=None)
+@click.option("--num-sms", type=int, default=None)
+def show(kernel, preset, spec_file, variant_index, arch, num_sms):
+    """Print the generated source of KERNEL for the spec."""
+    from flintgen import codegen
+
+    spec = _load_spec(preset, spec_file)
+    kdef = get_def(kernel)
+    target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
+    variants = kdef.variants(spec, target)
+    if not 0 <= variant_index < len(variants):
+        raise click.BadParameter(f"{variant_index} is out of range: {kernel} has {len(variants)} variants")
+    v = variants[variant_index]
+    click.echo(codegen.render(v.kernel, kdef.template, dict(kdef.render_params(spec, v))), nl=False)
+
+
+@main.command(name="show-spec")
+@_spec_options
+def show_spec(preset, spec_file):
+    """Print the spec's canonical JSON and hash."""
+    spec = _load_spec(preset, spec_file)
+    click.echo(json.dumps(spec.to_dict(), indent=2, sort_keys=True))
+    click.echo(f"spec_hash: {spec.spec_hash}")
+
+
+@main.group(name="cache")
+def cache_group():
+    """Inspect and maintain the kernel cache."""
+
+
+@cache_group.command()
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+def ls(cache_dir):
+    """List cache entries."""
+    root = cache_dir or cache.default_root()
+    entries = cache.list_entries(root)
+    click.echo(f"cache root: {root} ({len(entries)} entries)")
+    for d, meta in entries:
+        if meta is None:
+            click.echo(f"  {os.path.relpath(d, root)}  [incomplete]")
+            continue
+        size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
+                   if os.path.isfile(os.path.join(d, f)))
+        click.echo(f"  {os.path.relpath(d, root)}  {size // 1024} KiB  built {meta.get('built_at')}  "
+                   f"dsl {(meta.get('dsl') or {}).get('nvidia-cutlass-dsl')}")
+
+
+@cache_group.command()
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def clean(cache_dir, yes):
+    """Delete every cache entry."""
+    root = cache_dir or cache.default_root()
+    if not yes:
+        click.confirm(f"delete all entries under {root}?", abort=True)
+    click.echo(f"removed {cache.clean(root)} entries from {root}")
+
+
+@cache_group.command()
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--no-load", is_flag=True, help="Check hashes only; do not load the libraries.")
+def verify(cache_dir, no_load):
+    """Check every entry: complete, hash matches, current DSL, loads."""
+    root = cache_dir or cache.default_root()
+    bad = 0
+    entries = cache.list_entries(root)
+    for d, meta in entries:
+        problem = cache.verify_dir(d, meta, load=not no_load)
+        if problem:
+            bad += 1
+            click.echo(f"BAD {os.path.relpath(d, root)}: {problem}")
+    click.echo(f"{len(entries) - bad} ok, {bad} bad, in {root}")
+    if bad:
+        sys.exit(1)
+
+
+@main.command()
+def env():
+    """Versions, target, cache root and tools."""
+    import platform
+
+    lines = {
+        "flintgen": __version__,
+        "python": platform.python_version(),
+        "torch": toolchain.package_version("torch"),
+        "nvidia-cutlass-dsl": dict(toolchain.dsl_versions()) or "not installed (serving only: cached kernels)",
+        "dsl flavour": toolchain.dsl_flavour() if toolchain.dsl_installed() else None,
+        "apache-tvm-ffi": toolchain.package_version("apache-tvm-ffi"),
+        "runtime library": toolchain.find_runtime_lib() or "NOT FOUND",
+        "linker (export)": toolchain.find_linker() or "NOT FOUND: install g++ to cache compiled kernels",
+        "cache root": cache.default_root(),
+    }
+    try:
+        gpu = toolchain.gpu_target()
+        lines["gpu"] = f"{gpu.arch}, {gpu.num_sms} SMs" if gpu else "none visible"
+    except ValueError as e:
+        lines["gpu"] = f"unsupported: {e}"
+    from flintgen.knobs import KNOBS
+
+    for k, v in lines.items():
+        click.echo(f"{k:>20}: {v}")
+    for knob in KNOBS:
+        click.echo(f"{knob.name:>28} = {os.environ.get(knob.name, '')!r}")
+
+
+if __name__ == "__main__":
+    main()

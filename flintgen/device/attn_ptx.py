@@ -1,0 +1,38 @@
+"""Inline-PTX wrappers used only by decode attention (``ptx.py`` has the
+shared ones; this module uses its ``_asm`` helper and conventions: global
+addresses are Int64, shared addresses Uint32)."""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cutlass_dsl import dsl_user_op
+
+from flintgen.device.ptx import _asm
+
+
+@dsl_user_op
+def stg_b16(addr, w, *, loc=None, ip=None):
+    """Store the low 16 bits of ``w`` (one bf16) to global ``addr``."""
+    _asm(
+        [], [(Int64, addr), (Uint32, w)],
+        "{ .reg .b16 h; cvt.u16.u32 h, $1; st.global.b16 [$0], h; }",
+        side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def selp_f32(a, b, pred, *, loc=None, ip=None):
+    """``a if pred != 0 else b`` (branch-free; ``pred`` Int32)."""
+    return _asm(
+        [Float32], [(Float32, a), (Float32, b), (Int32, pred)],
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; selp.f32 $0, $1, $2, p; }", loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def selp_u32(a, b, pred, *, loc=None, ip=None):
+    """``a if pred != 0 else b`` (branch-free; ``pred`` Int32)."""
+    return _asm(
+        [Uint32], [(Uint32, a), (Uint32, b), (Int32, pred)],
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; selp.b32 $0, $1, $2, p; }", loc=loc, ip=ip,
+    )  # fmt: skip

@@ -1,0 +1,161 @@
+"""Disk cache: hit, miss, corrupt entries, stale DSL, locking, unwritable roots."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flintgen import cache, toolchain
+from flintgen.kernels import KERNELS
+from flintgen.kernels.base import Target
+from flintgen.presets import FLINT
+
+pytestmark = pytest.mark.compile
+
+T = Target("sm_90a", 132)
+
+
+def _entry(root, residual=False):
+    k = KERNELS["rms_norm"]
+    v = k.variants(FLINT, T)[int(residual)]
+    return cache.make_entry(v, k.template, dict(k.render_params(FLINT, v)), T, str(root))
+
+
+def _replace(path, data):
+    with open(path + ".new", "wb") as f:
+        f.write(data)
+    os.replace(path + ".new", path)
+
+
+def test_miss_then_hit(tmp_path):
+    e = _entry(tmp_path)
+    assert cache.try_load(e) is None
+    first = cache.get_or_build(e)
+    assert not first.hit
+    assert sorted(os.listdir(e.dir)) == ["kernel.ptx", "kernel.so", "meta.json", "module.py"]
+    meta = cache.read_meta(e)
+    assert meta["key"] == e.key and meta["target"] == {"arch": "sm_90a", "num_sms": 132}
+    assert meta["resources"]["spill_store_bytes"] == 0
+    assert cache.get_or_build(e).hit
+    with open(e.path("module.py")) as f:
+        assert f.read() == e.source
+
+
+def test_key_covers_target_and_source(tmp_path):
+    e = _entry(tmp_path)
+    k = KERNELS["rms_norm"]
+    v = e.variant
+    p = dict(k.render_params(FLINT, v))
+    assert cache.make_entry(v, k.template, p, Target("sm_90a", 114), str(tmp_path)).key != e.key
+    p2 = dict(p, threads=512)
+    assert cache.make_entry(v, k.template, p2, T, str(tmp_path)).key != e.key
+
+
+def test_key_covers_compile_env(tmp_path, monkeypatch):
+    e = _entry(tmp_path)
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+    assert _entry(tmp_path).key != e.key
+
+
+@pytest.mark.parametrize("damage", ["truncate_so", "garbage_so", "no_meta", "bad_meta", "wrong_key"])
+def test_corrupt_entry_is_rebuilt(tmp_path, damage):
+    e = _entry(tmp_path)
+    cache.get_or_build(e)
+    # Damage through a new inode: the loaded library stays mapped in this
+    # process, and truncating a mapped file in place would SIGBUS it.
+    if damage == "truncate_so":
+        _replace(e.path("kernel.so"), open(e.path("kernel.so"), "rb").read()[:100])
+    elif damage == "garbage_so":
+        _replace(e.path("kernel.so"), b"not an ELF")
+    elif damage == "no_meta":
+        os.unlink(e.path("meta.json"))
+    elif damage == "bad_meta":
+        with open(e.path("meta.json"), "w") as f:
+            f.write("{truncated")
+    elif damage == "wrong_key":
+        meta = cache.read_meta(e)
+        meta["key"] = "0" * 64
+        with open(e.path("meta.json"), "w") as f:
+            json.dump(meta, f)
+    assert cache.check_entry(e) is not None
+    assert cache.try_load(e) is None
+    out = cache.get_or_build(e)
+    assert not out.hit and cache.check_entry(e) is None
+    assert cache.get_or_build(e).hit
+
+
+def test_other_dsl_version_rebuilds(tmp_path, monkeypatch):
+    e = _entry(tmp_path)
+    cache.get_or_build(e)
+    fake = (("nvidia-cutlass-dsl", "4.9.0"), ("nvidia-cutlass-dsl-libs-cu13", "4.9.0"))
+    monkeypatch.setattr(toolchain, "dsl_versions", lambda: fake)
+    assert "built with DSL" in cache.check_entry(e)
+
+
+def test_serving_machine_accepts_any_dsl_version(tmp_path, monkeypatch):
+    e = _entry(tmp_path)
+    cache.get_or_build(e)
+    meta = cache.read_meta(e)
+    meta["dsl"] = {"nvidia-cutlass-dsl": "4.8.0", "flavour": "cu13", "libs": "4.8.0"}
+    with open(e.path("meta.json"), "w") as f:
+        json.dump(meta, f)
+    monkeypatch.setattr(toolchain, "dsl_versions", lambda: ())  # DSL not installed
+    assert cache.check_entry(e) is None
+
+
+def test_no_jit_raises_on_miss(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLINTGEN_NO_JIT", "1")
+    with pytest.raises(cache.MissingKernelError, match="FLINTGEN_NO_JIT=1"):
+        cache.get_or_build(_entry(tmp_path))
+
+
+def test_missing_dsl_on_miss_is_clear(tmp_path, monkeypatch):
+    monkeypatch.setattr(toolchain, "dsl_versions", lambda: ())
+    with pytest.raises(cache.MissingKernelError, match="CuTe DSL is not installed"):
+        cache.get_or_build(_entry(tmp_path))
+
+
+def test_unwritable_root_still_gives_a_kernel(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the cache dir should be: every write fails
+    e = _entry(blocker / "cache")
+    with pytest.warns(cache.CacheWarning, match="FLINTGEN_CACHE_DIR"):
+        out = cache.get_or_build(e)
+    assert out.function is not None and not out.hit
+
+
+def test_concurrent_builders_compile_once(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+        from tests.test_cache import _entry
+        from flintgen import cache
+        print("HIT" if cache.get_or_build(_entry({str(tmp_path)!r}, residual=True)).hit else "MISS")
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300)[0].strip().splitlines()[-1] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(outs) == ["HIT", "HIT", "MISS"]
+
+
+def test_verify_and_clean(tmp_path):
+    e = _entry(tmp_path)
+    cache.get_or_build(e)
+    entries = cache.list_entries(str(tmp_path))
+    assert [d for d, _ in entries] == [e.dir]
+    assert cache.verify_dir(e.dir, entries[0][1]) is None
+    _replace(e.path("kernel.so"), open(e.path("kernel.so"), "rb").read() + b"x")
+    assert "sha256" in cache.verify_dir(e.dir, cache.read_meta(e))
+    assert cache.clean(str(tmp_path)) == 1 and cache.list_entries(str(tmp_path)) == []
+
+
+def test_default_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLINTGEN_CACHE_DIR", str(tmp_path / "c"))
+    assert cache.default_root() == str(tmp_path / "c")
+    monkeypatch.delenv("FLINTGEN_CACHE_DIR")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(cache.__file__)))
+    assert cache.default_root() == os.path.join(checkout, "cache")

@@ -1,0 +1,169 @@
+"""rms_norm / fused_add_rms_norm: validation on any machine, numerics on the GPU."""
+
+import pytest
+import torch
+
+import flintgen
+from flintgen.presets import FLINT
+from flintgen.references.rms_norm import bf16_ulp, rms_norm_ref
+
+H = FLINT.hidden_size
+
+
+@pytest.fixture(scope="module")
+def norm():
+    return flintgen.get_kernel(FLINT, "rms_norm") if torch.cuda.is_available() else None
+
+
+def _op():
+    """An op bound without a GPU (validation happens before any load)."""
+    from flintgen.kernels.rms_norm import RMSNormDef
+    from flintgen.kernels.base import Target
+
+    d = RMSNormDef()
+    t = Target("sm_90a", 132)
+
+    def load(v):
+        raise AssertionError("validation must fail before loading")
+
+    return d.bind(FLINT, t, load)
+
+
+def test_rejects_cpu_tensor():
+    x = torch.zeros(2, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x must be on a CUDA device, got cpu"):
+        _op()(x, torch.ones(H, dtype=torch.bfloat16))
+
+
+def test_rejects_dtype():
+    with pytest.raises(TypeError, match=r"x must be torch.bfloat16, got torch.float32"):
+        _op()(torch.zeros(2, H), torch.ones(H, dtype=torch.bfloat16))
+
+
+def test_rejects_non_tensor():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        _op()([1.0], None)
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    # CUDA tensors are needed to get past the device check, so the shape and
+    # layout rejections run on the GPU machine.
+    return torch.empty(*shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+class TestValidationOnGPU:
+    def test_shapes(self):
+        op = _op()
+        with pytest.raises(ValueError, match=r"x must have last dimension 2048 \(the spec's size\), got shape \(2, 1024\)"):
+            op(_meta(2, 1024), _meta(H))
+        with pytest.raises(ValueError, match=r"weight must have shape \(2048,\), got \(1024,\)"):
+            op(_meta(2, H), _meta(1024))
+        with pytest.raises(ValueError, match=r"residual must have shape \(2, 2048\), got \(3, 2048\)"):
+            op(_meta(2, H), _meta(H), residual=_meta(3, H))
+        with pytest.raises(ValueError, match="x must be 2-D"):
+            op(_meta(2, 2, H), _meta(H))
+
+    def test_layout_and_args(self):
+        op = _op()
+        with pytest.raises(ValueError, match="x must be contiguous"):
+            op(_meta(H, 4).t(), _meta(H))
+        with pytest.raises(ValueError, match="x must be 16-byte aligned"):
+            op(_meta(2 * H + 1)[1:].view(2, H), _meta(H))
+        with pytest.raises(ValueError, match="eps must be a finite number > 0, got -1"):
+            op(_meta(2, H), _meta(H), -1.0)
+        with pytest.raises(ValueError, match="residual_out was given without residual"):
+            op(_meta(2, H), _meta(H), residual_out=_meta(2, H))
+
+
+def _check(out, ref):
+    assert not torch.isnan(out).any()
+    diff = (out.float() - ref).abs()
+    assert (diff <= bf16_ulp(ref)).all(), f"max diff {diff.max().item()} exceeds 1 bf16 ulp"
+
+
+def _rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 3000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_numerics(norm, m, with_residual):
+    torch.manual_seed(m * 2 + with_residual)
+    x, w = _rand(m, H, scale=3.0), _rand(H, scale=0.5) + 1
+    res = _rand(m, H, scale=3.0) if with_residual else None
+    out = torch.full_like(x, float("nan"))
+    eps = 1e-6 if m % 2 else 1e-2  # eps is a runtime argument
+    if with_residual:
+        res_out = torch.full_like(x, float("nan"))
+        norm(x, w, eps, res, out=out, residual_out=res_out)
+    else:
+        norm(x, w, eps, out=out)
+    torch.cuda.synchronize()
+    ref, r = rms_norm_ref(x, w, eps, res)
+    _check(out, ref)
+    if with_residual:
+        assert torch.equal(res_out, r), "residual must be bit-exact against torch's bf16 add"
+
+
+@pytest.mark.gpu
+def test_in_place_residual_and_chain(norm):
+    """A chain of layers reusing buffers, launched back to back (PDL), equals
+    the same chain with a device sync between layers (which cannot race)."""
+    torch.manual_seed(0)
+    m, layers = 8, 16
+    ws = [_rand(H, scale=0.5) + 1 for _ in range(layers)]
+    x0, res0 = _rand(m, H), _rand(m, H)
+
+    def chain(sync):
+        x, res, out = x0.clone(), res0.clone(), torch.full_like(x0, float("nan"))
+        for w in ws:  # out feeds the next layer; the residual is updated in place
+            norm(x, w, 1e-6, res, out=out, residual_out=res)
+            if sync:
+                torch.cuda.synchronize()
+            x, out = out, x
+        torch.cuda.synchronize()
+        return x, res
+
+    fast, slow = chain(False), chain(True)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    # and the first layer against the reference, in place
+    x, res, out = x0.clone(), res0.clone(), torch.empty_like(x0)
+    norm(x, ws[0], 1e-6, res, out=out, residual_out=res)
+    ref, r = rms_norm_ref(x0, ws[0], 1e-6, res0)
+    assert torch.equal(res, r)
+    _check(out, ref)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_inputs(norm):
+    flintgen.warmup(FLINT, ["rms_norm"])
+    m = 4
+    x, res, w = _rand(m, H), _rand(m, H), _rand(H) + 1
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        norm(x, w, 1e-6, res, out=out, residual_out=res_out)
+    for i in range(50):
+        x.copy_(_rand(m, H, scale=1 + i))
+        res.copy_(_rand(m, H))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, r = rms_norm_ref(x, w, 1e-6, res)
+        assert torch.equal(res_out, r)
+        _check(out, ref)
+
+
+@pytest.mark.gpu
+def test_first_use_inside_capture_raises():
+    spec = FLINT.replace(hidden_size=1024)  # never loaded in this process
+    norm = flintgen.get_kernel(spec, "rms_norm")
+    x, w = _rand(2, 1024), _rand(1024)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"inside a CUDA-graph capture: call flintgen.warmup"):
+        with torch.cuda.graph(g):
+            norm(x, w)
