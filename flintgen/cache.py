@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -70,16 +71,44 @@ def default_root() -> str:
     return os.path.join(xdg, "flintgen")
 
 
-@functools.lru_cache(maxsize=None)
-def helpers_hash() -> str:
-    """sha256 over flintgen's device-helper modules (imported by every kernel)."""
+_DEVICE_IMPORT = re.compile(r"^\s*(?:from\s+flintgen\.device(?:\.(\w+))?\s+import\s+([\w, ]+)|"
+                            r"import\s+flintgen\.device\.(\w+))", re.M)
+
+
+def _device_deps(source: str) -> set[str]:
+    """Names of the flintgen.device modules ``source`` imports."""
+    deps = set()
+    for mod, names, plain in _DEVICE_IMPORT.findall(source):
+        if mod or plain:
+            deps.add(mod or plain)
+        else:  # from flintgen.device import a, b
+            deps.update(n.strip() for n in names.split(",") if n.strip())
+    return deps
+
+
+def _device_file(name: str) -> bytes:
+    path = os.path.join(_PKG_DIR, "device", f"{name}.py")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def helpers_hash(source: str) -> str:
+    """sha256 over the flintgen.device modules the generated ``source`` imports,
+    transitively: editing a helper rebuilds exactly the kernels that use it."""
+    seen: set[str] = set()
+    todo = sorted(_device_deps(source))
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += sorted(_device_deps(_device_file(name).decode()) - seen)
+        except OSError:
+            raise ValueError(f"generated source imports flintgen.device.{name}, which does not exist") from None
     h = hashlib.sha256()
-    dev = os.path.join(_PKG_DIR, "device")
-    for name in sorted(os.listdir(dev)):
-        if name.endswith(".py"):
-            h.update(name.encode())
-            with open(os.path.join(dev, name), "rb") as f:
-                h.update(f.read())
+    for name in sorted(seen):
+        h.update(name.encode() + b"\0" + _device_file(name))
     return h.hexdigest()
 
 
@@ -118,7 +147,7 @@ def key_material(variant: Variant, source: str, target: Target) -> dict:
         "kernel": variant.kernel,
         "params": dict(variant.params),
         "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
-        "helpers_sha256": helpers_hash(),
+        "helpers_sha256": helpers_hash(source),
         "arch": target.arch,
         "num_sms": target.num_sms,
         "options": compile_options(target),

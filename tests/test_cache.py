@@ -159,3 +159,17 @@ def test_default_root(monkeypatch, tmp_path):
     monkeypatch.delenv("FLINTGEN_CACHE_DIR")
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(cache.__file__)))
     assert cache.default_root() == os.path.join(checkout, "cache")
+
+
+def test_key_covers_imported_helpers_only(tmp_path, monkeypatch):
+    e = _entry(tmp_path)
+    assert cache._device_deps(e.source) == {"ptx", "reduce"}
+    real = cache._device_file
+
+    def edited(name, which):
+        return real(name) + (b"\n# edited" if name == which else b"")
+
+    monkeypatch.setattr(cache, "_device_file", lambda n: edited(n, "reduce"))
+    assert _entry(tmp_path).key != e.key
+    monkeypatch.setattr(cache, "_device_file", lambda n: edited(n, "some_other_helper"))
+    assert _entry(tmp_path).key == e.key

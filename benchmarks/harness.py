@@ -1,0 +1,131 @@
+"""Shared benchmark harness: CUDA-graph replay timing, the read-bandwidth floor
+measured in the same process, peers, and results as JSON + markdown.
+
+Method (see the device tool's METHOD.md): every timed callable is captured
+``calls`` times into one CUDA graph; the graph is replayed ``replays`` times,
+each replay timed with CUDA events; the reported time is the median replay
+divided by ``calls``. The floor is bytes / read bandwidth, the bandwidth being
+a 4 GiB ``torch.sum`` timed with events (median of 20) in the same process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+
+def read_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
+    """Device read bandwidth in bytes/s: a reduction over ``gib`` GiB of fp32."""
+    n = int(gib * (1 << 30)) // 4
+    x = torch.ones(n, dtype=torch.float32, device="cuda")
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        x.sum()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del x
+    torch.cuda.empty_cache()
+    return n * 4 / statistics.median(times)
+
+
+def time_graph(fn: Callable[[], object], calls: int = 20, replays: int = 200, warmup: int = 3) -> dict:
+    """Median µs per call of ``fn`` over CUDA-graph replays (plus spread)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for _ in range(calls):
+            fn()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        per_call.append(a.elapsed_time(b) * 1e3 / calls)
+    per_call.sort()
+    return {"median_us": statistics.median(per_call), "p10_us": per_call[len(per_call) // 10],
+            "p90_us": per_call[9 * len(per_call) // 10]}
+
+
+@dataclass
+class Row:
+    """One measured case: our time, the floor, and peers' times (µs)."""
+
+    case: dict
+    flintgen_us: float
+    floor_us: float | None = None
+    peers_us: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pct_of_floor(self) -> float | None:
+        return 100.0 * self.floor_us / self.flintgen_us if self.floor_us else None
+
+
+def device_info() -> dict:
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"device": p.name, "sms": p.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda}
+
+
+def commit() -> str:
+    if os.environ.get("FLINTGEN_COMMIT"):
+        return os.environ["FLINTGEN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_results(name: str, rows: list[Row], bandwidth: float, notes: str = "",
+                  out_dir: str | None = None) -> str:
+    """Write ``<name>.json`` and ``<name>.md`` under $OUT (device runs) or
+    benchmarks/results/; returns the markdown table."""
+    out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit(), "read_bandwidth_TBps": bandwidth / 1e12, **device_info(), "notes": notes}
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": [dict(asdict(r), pct_of_floor=r.pct_of_floor) for r in rows]}, f,
+                  indent=1)
+    peers = sorted({p for r in rows for p in r.peers_us})
+    case_keys = list(rows[0].case) if rows else []
+    head = case_keys + ["flintgen µs", "floor µs", "% of floor"] + [f"{p} µs" for p in peers]
+    lines = [f"# {name}", "",
+             f"{meta['date']} · {meta['device']} ({meta['sms']} SMs) · torch {meta['torch']} · commit "
+             f"{meta['commit']} · read bandwidth {meta['read_bandwidth_TBps']:.2f} TB/s (4 GiB sum, same process)",
+             "", "CUDA-graph replay, median per call. " + notes, "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r.case[k]) for k in case_keys]
+        cells += [f"{r.flintgen_us:.2f}", f"{r.floor_us:.2f}" if r.floor_us else "—",
+                  f"{r.pct_of_floor:.0f}%" if r.pct_of_floor else "—"]
+        cells += [f"{r.peers_us[p]:.2f}" if p in r.peers_us else "—" for p in peers]
+        lines.append("| " + " | ".join(cells) + " |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(md)
+    return md
