@@ -243,13 +243,11 @@ def try_load(entry: Entry):
         return None
 
 
-def _write_entry(entry: Entry, work: str) -> dict:
-    """Render, compile, export and link into ``work``; returns the meta dict."""
+def _write_entry(entry: Entry, module_path: str, work: str) -> dict:
+    """Compile the generated module at ``module_path``; export and link into
+    ``work``. Returns the meta dict."""
     from flintgen import compiler
 
-    module_path = os.path.join(work, "module.py")
-    with open(module_path, "w") as f:
-        f.write(entry.source)
     result = compiler.compile_module(module_path, entry.module_name, entry.function_name,
                                      entry.target, work)
     compiler.link_shared(result.object_path, os.path.join(work, "kernel.so"))
@@ -276,9 +274,7 @@ def _write_entry(entry: Entry, work: str) -> dict:
     }
 
 
-def build(entry: Entry) -> None:
-    """Compile into a temp dir beside the entry, then publish file by file with
-    ``os.replace``; meta.json last. Raises if no kernel can be built."""
+def _require_compiler(entry: Entry) -> None:
     if knobs.no_jit:
         raise MissingKernelError(
             f"kernel {entry.variant.name} (key {entry.key[:16]}) is not in the cache at "
@@ -291,12 +287,20 @@ def build(entry: Entry) -> None:
             "or carry a cache built with `flintgen build --arch sm_90a --num-sms N` and point "
             "FLINTGEN_CACHE_DIR at it"
         )
+
+
+def build(entry: Entry) -> None:
+    """Write the generated module into the entry (atomically) and compile it
+    from there; publish the library and PTX with ``os.replace``, meta.json
+    last. Call with the entry's lock held. Raises if no kernel can be built."""
+    _require_compiler(entry)
     os.makedirs(entry.dir, exist_ok=True)
+    with_suppress(os.unlink, entry.path("meta.json"))  # invalidate first
+    _atomic_write(entry.path("module.py"), entry.source.encode())
     work = tempfile.mkdtemp(prefix=".build-", dir=entry.dir)
     try:
-        meta = _write_entry(entry, work)
-        with_suppress(os.unlink, entry.path("meta.json"))  # invalidate first
-        for name in ("module.py", "kernel.ptx", "kernel.so"):
+        meta = _write_entry(entry, entry.path("module.py"), work)
+        for name in ("kernel.ptx", "kernel.so"):
             os.replace(os.path.join(work, name), entry.path(name))
         _atomic_write(entry.path("meta.json"), json.dumps(meta, indent=1, sort_keys=True).encode())
     finally:
@@ -309,15 +313,14 @@ def _lock(entry: Entry) -> filelock.FileLock:
     return filelock.FileLock(os.path.join(locks, f"{entry.key[:32]}.lock"), timeout=knobs.lock_timeout)
 
 
-def _build_in_memory(entry: Entry):
+def _build_uncached(entry: Entry):
     """Cache unusable: build in a private temp dir and load from there."""
-    if knobs.no_jit or not toolchain.dsl_installed():
-        raise MissingKernelError(
-            f"kernel {entry.variant.name} is not cached at {entry.root} and "
-            + ("FLINTGEN_NO_JIT=1" if knobs.no_jit else "the CuTe DSL is not installed to compile it")
-        )
+    _require_compiler(entry)
     work = tempfile.mkdtemp(prefix="flintgen-nocache-")
-    _write_entry(entry, work)
+    module_path = os.path.join(work, "module.py")
+    with open(module_path, "w") as f:
+        f.write(entry.source)
+    _write_entry(entry, module_path, work)
     return load_library(os.path.join(work, "kernel.so"), entry.function_name)
 
 
@@ -341,7 +344,7 @@ def get_or_build(entry: Entry) -> Outcome:
             "without caching it. Set FLINTGEN_CACHE_DIR to a writable directory.",
             CacheWarning, stacklevel=3,
         )
-        return Outcome(False, _build_in_memory(entry))
+        return Outcome(False, _build_uncached(entry))
     try:
         fn = try_load(entry)
         if fn is not None:
@@ -354,7 +357,7 @@ def get_or_build(entry: Entry) -> Outcome:
                 f"({e}); using an uncached build. Set FLINTGEN_CACHE_DIR to a writable directory.",
                 CacheWarning, stacklevel=3,
             )
-            return Outcome(False, _build_in_memory(entry))
+            return Outcome(False, _build_uncached(entry))
         fn = try_load(entry)
         if fn is None:
             raise RuntimeError(f"kernel {entry.variant.name} was built at {entry.dir} but does not load: "
