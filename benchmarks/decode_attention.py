@@ -1,0 +1,146 @@
+"""Decode attention benchmark: flintgen vs FlashInfer XQA and FA4, on the
+flint HND cache, with the read-bandwidth floor measured in the same process.
+
+    python -m benchmarks.decode_attention [--quick] [--runs 3]
+
+Method (as the peer table was timed): 20 identical calls per CUDA graph,
+median replay; PDL on wherever a kernel has it (flintgen's kernel always
+launches with it). Floor = attended KV bytes / read bandwidth. The whole table
+is measured ``--runs`` times in one process; each cell reports the median run
+and the spread (max - min) across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import flintgen
+from benchmarks.harness import Row, read_bandwidth, time_graph, write_results
+from benchmarks.peers import PEERS
+
+FLINT = flintgen.get_preset("flint")
+TP2 = FLINT.replace(tp_size=2)                                # 16 q / 2 kv per rank
+WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)          # 64 / 8
+
+# (spec, batch, seq_len, window, goal µs or None, goal % of floor or None)
+GOAL_ROWS = [
+    (TP2, 1, 1024, None, 4.0, None),
+    (TP2, 1, 32768, None, 11.0, None),
+    (TP2, 8, 8192, None, 19.0, None),
+    (TP2, 8, 8192, 128, 4.0, None),
+    (TP2, 128, 8192, None, None, 92.0),
+    (WIDE, 1, 32768, None, 36.0, None),
+    (WIDE, 32, 8192, 128, 6.0, None),
+    (WIDE, 128, 8192, None, None, 92.0),
+]
+
+
+class Case:
+    """A paged cache with random contents and a random page permutation."""
+
+    def __init__(self, spec, batch, seq_lens, window, copies=1, seed=0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.spec, self.window = spec, window
+        hq, hkv, d, page = spec.q_heads_per_rank, spec.kv_heads_per_rank, spec.head_dim, spec.page_size
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        self.max_len = int(max(seq_lens))
+        max_blocks = -(-self.max_len // page)
+        nblocks = batch * max_blocks
+        # ``copies`` caches rotated between calls defeat L2 (4x its 60 MB).
+        self.kvs = [torch.randn(nblocks, hkv, page, 2 * d, device="cuda", generator=g).bfloat16()
+                    for _ in range(copies)]
+        self.bts = [torch.randperm(nblocks, device="cuda", generator=g).int().view(batch, max_blocks)
+                    for _ in range(copies)]
+        self.q = torch.randn(batch, hq, d, device="cuda", generator=g).bfloat16()
+        self.sinks = torch.randn(hq, device="cuda", generator=g)
+        self.out = torch.empty_like(self.q)
+        self.scale = spec.scale
+        attended = sum(min(n, window) if window else n for n in seq_lens)
+        self.bytes = attended * hkv * 2 * d * 2
+
+    def flintgen_fn(self):
+        op = flintgen.get_kernel(self.spec, "decode_attention")
+        it = {"i": 0}
+
+        def fn():
+            i = it["i"] = (it["i"] + 1) % len(self.kvs)
+            op(self.q, self.kvs[i], self.bts[i], self.seq_lens, self.sinks, self.window, self.scale, self.out)
+
+        return fn
+
+    def peer_fn(self, name):
+        return PEERS[name](self.q, self.kvs[0], self.bts[0], self.seq_lens, self.sinks, self.window,
+                           self.scale, self.max_len)
+
+
+def _label(spec):
+    return f"{spec.q_heads_per_rank}/{spec.kv_heads_per_rank}"
+
+
+def measure(case, peers=True):
+    ours = time_graph(case.flintgen_fn())["median_us"]
+    res = {"flintgen": ours}
+    if peers:
+        for name in PEERS:
+            fn, why = case.peer_fn(name)
+            res[name] = time_graph(fn)["median_us"] if fn else why
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="goal rows only, one run")
+    args = ap.parse_args()
+    for spec in (TP2, WIDE):
+        flintgen.warmup(spec, ["decode_attention"])
+    bw = read_bandwidth()
+    cases = [(f"{_label(s)}", b, L, w, gu, gp, Case(s, b, [L] * b, w)) for s, b, L, w, gu, gp in GOAL_ROWS]
+    runs = []
+    for _ in range(1 if args.quick else args.runs):
+        runs.append([measure(c[-1]) for c in cases])
+    rows = []
+    for i, (heads, b, L, w, gu, gp, case) in enumerate(cases):
+        per = [r[i] for r in runs]
+        ours = [p["flintgen"] for p in per]
+        floor = case.bytes / bw * 1e6
+        peers = {}
+        extra = {"spread_us": max(ours) - min(ours), "goal": f"<= {gu} us" if gu else f">= {gp}% of floor"}
+        for name in PEERS:
+            vals = [p[name] for p in per]
+            if all(isinstance(v, float) for v in vals):
+                peers[name] = statistics.median(vals)
+                extra[f"{name}_spread_us"] = max(vals) - min(vals)
+            else:
+                extra[f"{name}_error"] = next(v for v in vals if not isinstance(v, float))
+        med = statistics.median(ours)
+        met = med <= gu if gu else 100 * floor / med >= gp
+        beats = all(med + extra["spread_us"] + extra.get(f"{n}_spread_us", 0) < peers[n] for n in peers)
+        extra["goal_met"], extra["beats_peers_beyond_spread"] = met, beats
+        rows.append(Row({"q/kv heads": heads, "B": b, "L": L, "window": w or "—", "goal": extra["goal"],
+                         "met": "yes" if met else "NO", "beats peers": "yes" if beats else "NO"},
+                        med, floor, peers, extra))
+    print(write_results("decode_attention", rows, bw,
+                        f"Median of {len(runs)} runs; sinks on; flint HND cache; pages permuted."))
+    for r in rows:
+        for k, v in r.extra.items():
+            if k.endswith("_error"):
+                print(r.case["q/kv heads"], r.case["B"], r.case["L"], k, v)
+
+    if not args.quick:
+        extra_rows = []
+        for label, case in [
+            ("rotated 5 caches (> 4x L2), 16/2 B=8 L=8k", Case(TP2, 8, [8192] * 8, None, copies=5)),
+            ("mixed seq_lens 16/2 B=32 (1..16k)", Case(TP2, 32, [1 + (i * 4093) % 16384 for i in range(32)], None)),
+        ]:
+            m = measure(case)
+            extra_rows.append(Row({"case": label}, m["flintgen"], case.bytes / bw * 1e6,
+                                  {k: v for k, v in m.items() if k != "flintgen" and isinstance(v, float)}))
+        print(write_results("decode_attention_extra", extra_rows, bw, "Reported without a goal."))
+
+
+if __name__ == "__main__":
+    main()
