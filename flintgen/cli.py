@@ -17,22 +17,41 @@ from flintgen.kernels import KERNELS, get_def
 from flintgen.spec import Spec
 
 
-def _load_spec(preset: str | None, spec_file: str | None) -> Spec:
+def _load_spec(preset: str | None, spec_file: str | None, hf_config: str | None = None,
+               tp: int | None = None, page_size: int | None = None, weights: str | None = None,
+               max_batch: int | None = None) -> Spec:
+    from flintgen.hf import spec_from_hf_config
     from flintgen.presets import get_preset
 
-    if spec_file:
-        spec = Spec.from_file(spec_file)
-        if preset:
-            raise click.UsageError("give either --preset or --spec, not both")
-        return spec
-    return get_preset(preset or "flint")
+    if sum(x is not None for x in (preset, spec_file, hf_config)) > 1:
+        raise click.UsageError("give one of --preset, --spec and --hf-config")
+    if hf_config:
+        return spec_from_hf_config(hf_config, tp_size=tp or 1, page_size=page_size or 16,
+                                   weight_format=weights or "bf16", max_batch=max_batch or 256,
+                                   name=os.path.basename(os.path.dirname(os.path.abspath(hf_config))))
+    spec = Spec.from_file(spec_file) if spec_file else get_preset(preset or "flint")
+    changes = {k: v for k, v in (("tp_size", tp), ("page_size", page_size), ("weight_format", weights),
+                                 ("max_batch", max_batch)) if v is not None}
+    return spec.replace(**changes) if changes else spec
 
 
 def _spec_options(f):
+    f = click.option("--max-batch", type=int, default=None, help="Override max_batch (default 256).")(f)
+    f = click.option("--weights", type=click.Choice(["bf16", "nvfp4"]), default=None,
+                     help="Override the QKV weight format (--hf-config default: bf16).")(f)
+    f = click.option("--page-size", type=int, default=None, help="Override the KV page size (default 16).")(f)
+    f = click.option("--tp", type=int, default=None, help="Tensor-parallel size (per-rank heads).")(f)
+    f = click.option("--hf-config", type=click.Path(exists=True, dir_okay=False),
+                     help="A Hugging Face config.json to map to a spec.")(f)
     f = click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False),
                      help="Spec file (.toml or .json).")(f)
     f = click.option("--preset", default=None, help="Built-in spec name (default: flint).")(f)
     return f
+
+
+def _spec_from_opts(o: dict) -> Spec:
+    return _load_spec(o.pop("preset"), o.pop("spec_file"), o.pop("hf_config"), o.pop("tp"),
+                      o.pop("page_size"), o.pop("weights"), o.pop("max_batch"))
 
 
 def _plan(spec: Spec, target, only=()) -> list[tuple[str, object]]:
@@ -68,9 +87,9 @@ def main():
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root (default: FLINTGEN_CACHE_DIR, the checkout's cache/, or ~/.cache/flintgen).")
 @click.option("--kernel", "kernels", multiple=True, help="Only these kernels (repeatable). Default: all.")
-def build(preset, spec_file, arch, num_sms, jobs, cache_dir, kernels):
+def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
     """Render and compile every kernel and launch variant the spec needs."""
-    spec = _load_spec(preset, spec_file)
+    spec = _spec_from_opts(spec_opts)
     if arch is None and num_sms is None and toolchain.gpu_target() is None and not os.environ.get("FLINTGEN_ARCH"):
         click.echo("no GPU visible: building for sm_90a with 132 SMs (H100 SXM/H200); "
                    "use --arch/--num-sms to choose", err=True)
@@ -116,9 +135,9 @@ def build(preset, spec_file, arch, num_sms, jobs, cache_dir, kernels):
 @_spec_options
 @click.option("--arch", default=None)
 @click.option("--num-sms", type=int, default=None)
-def list_(preset, spec_file, arch, num_sms):
+def list_(arch, num_sms, **spec_opts):
     """List the spec's kernels and their launch variants."""
-    spec = _load_spec(preset, spec_file)
+    spec = _spec_from_opts(spec_opts)
     target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
     for name, kdef in KERNELS.items():
         if not kdef.needed(spec):
@@ -135,11 +154,11 @@ def list_(preset, spec_file, arch, num_sms):
               help="Index of the variant in `flintgen list`.")
 @click.option("--arch", default=None)
 @click.option("--num-sms", type=int, default=None)
-def show(kernel, preset, spec_file, variant_index, arch, num_sms):
+def show(kernel, variant_index, arch, num_sms, **spec_opts):
     """Print the generated source of KERNEL for the spec."""
     from flintgen import codegen
 
-    spec = _load_spec(preset, spec_file)
+    spec = _spec_from_opts(spec_opts)
     kdef = get_def(kernel)
     target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
     variants = kdef.variants(spec, target)
@@ -151,9 +170,9 @@ def show(kernel, preset, spec_file, variant_index, arch, num_sms):
 
 @main.command(name="show-spec")
 @_spec_options
-def show_spec(preset, spec_file):
+def show_spec(**spec_opts):
     """Print the spec's canonical JSON and hash."""
-    spec = _load_spec(preset, spec_file)
+    spec = _spec_from_opts(spec_opts)
     click.echo(json.dumps(spec.to_dict(), indent=2, sort_keys=True))
     click.echo(f"spec_hash: {spec.spec_hash}")
 

@@ -53,7 +53,7 @@ def test_build_cache_commands(runner, tmp_path):
     assert "0 failed" in r.output and "miss" in r.output
     r = runner.invoke(main, ["build", *args])
     assert r.exit_code == 0 and " 0 misses" in r.output, r.output
-    r = runner.invoke(main, ["build", *args[:-2], "--jobs", "2"])  # all kernels, in parallel: rms_norm hits
+    r = runner.invoke(main, ["build", *args, "--jobs", "2"])  # parallel workers: all hits
     assert r.exit_code == 0 and "hit  rms_norm-has_residual1-hidden1024" in r.output, r.output
     r = runner.invoke(main, ["cache", "ls", "--cache-dir", str(tmp_path / "c")])
     assert r.exit_code == 0 and "rms_norm-has_residual0-hidden1024" in r.output
@@ -69,3 +69,16 @@ def test_env(runner):
     for word in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "runtime library", "linker (export)", "cache root",
                  "FLINTGEN_CACHE_DIR"):
         assert word in r.output
+
+
+def test_hf_config_show_spec(runner):
+    import os
+
+    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_configs",
+                       "gpt-oss-20b.json")
+    r = runner.invoke(main, ["show-spec", "--hf-config", cfg, "--tp", "2", "--weights", "nvfp4"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output.rsplit("spec_hash:", 1)[0])
+    assert d["hidden_size"] == 2880 and d["tp_size"] == 2 and d["weight_format"] == "nvfp4" and d["sinks"]
+    r = runner.invoke(main, ["show-spec", "--hf-config", cfg, "--preset", "flint"])
+    assert r.exit_code != 0 and "give one of" in r.output
