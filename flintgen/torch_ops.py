@@ -1,0 +1,64 @@
+"""flintgen kernels as ``torch.library`` custom ops (``torch.ops.flintgen.*``).
+
+Each op takes the spec as its canonical JSON string (a constant under
+``torch.compile``) and has a fake implementation, so ``torch.compile`` traces
+through it without running it and CUDA graphs capture the real kernel.
+
+    import flintgen.torch_ops
+    key = flintgen.get_preset("flint").canonical_json()
+    xn, res = torch.ops.flintgen.fused_add_rms_norm(x, residual, w, 1e-6, key)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Optional
+
+import torch
+
+from flintgen.spec import Spec
+
+
+@functools.lru_cache(maxsize=64)
+def _spec(key: str) -> Spec:
+    return Spec.from_dict(json.loads(key))
+
+
+def _op(key: str, name: str):
+    from flintgen.runtime import get_kernel
+
+    return get_kernel(_spec(key), name)
+
+
+@torch.library.custom_op("flintgen::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: str) -> torch.Tensor:
+    return _op(spec, "rms_norm")(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, spec):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("flintgen::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _op(spec, "rms_norm")(x, weight, eps, residual)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps, spec):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("flintgen::decode_attention", mutates_args=("out",))
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, sinks: Optional[torch.Tensor], window: Optional[int],
+                     scale: float, out: torch.Tensor, spec: str) -> None:
+    _op(spec, "decode_attention")(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out)
+
+
+@decode_attention.register_fake
+def _(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, spec):
+    return None
