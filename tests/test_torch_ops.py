@@ -30,19 +30,15 @@ def test_traces_on_meta_tensors():
         assert y.shape == (4, 2048) and r.shape == (4, 2048) and y.dtype == torch.bfloat16
 
 
-def test_torch_compile_traces_through_ops():
-    """Dynamo + fake tensors trace the ops into one graph (no kernel runs: the
-    backend only records the graph)."""
-    seen = []
+def test_fake_tracing_builds_a_graph_of_the_ops():
+    """make_fx in fake mode traces through the ops via their fake impls (what
+    torch.compile's AOT tracing does); no kernel runs, so this works on the CPU."""
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return lambda *args: None
-
-    fn = torch.compile(_f, backend=backend, fullgraph=True)
     x = torch.empty(2, 2048, dtype=torch.bfloat16)
-    fn(x, x, torch.empty(2048, dtype=torch.bfloat16))
-    assert any("fused_add_rms_norm" in s for s in seen) and any("flintgen.rms_norm" in s for s in seen), seen
+    gm = make_fx(_f, tracing_mode="fake")(x, x, torch.empty(2048, dtype=torch.bfloat16))
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "flintgen.fused_add_rms_norm.default" in targets and "flintgen.rms_norm.default" in targets
 
 
 @pytest.mark.gpu
