@@ -128,6 +128,16 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
         # suffice); batch <= 16 (64 pairs) -> 4 splits, 3 stages; above that
         # one CTA per pair already fills the GPU (68+ CTAs) and a cluster merge
         # only adds barriers.
+        #
+        # flintgen's own H200 timings (2026-11-29; CUDA-graph replay of 20
+        # back-to-back launches, window 128, seq_len 8199 = 9 pages; see
+        # benchmarks/results/decode_attention_correctness.md), not adopted
+        # yet because the seed measured inside the model and the benchmark
+        # harness should confirm: batch 16 (64 pairs) takes 7.24 us with the
+        # seed's 4-CTA clusters vs 4.19 us with 2-CTA clusters and 4.28 us
+        # with one split (256 clustered CTAs look like more than one wave);
+        # batch 8: 4.27 / 3.73 / 3.97 us; batch 12: 4.47 / 4.25 / 4.16 us;
+        # batch 256: 30.8 us with 3 stages vs 27.9 us with 2.
         if num_bh <= 8:
             return DecodeAttentionConfig(8, 4, 2, 1, True, 0)
         if num_bh <= 64:
@@ -139,7 +149,12 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # otherwise two 4-warp CTAs per SM (2 * 132 // pairs splits), 2 stages
     # while batch <= 4 (16 pairs), then 3 (deeper rings pay once each warp
     # streams many pages). min_pages 2: a warp with a single page spends more
-    # on its prologue and the merge than on streaming.
+    # on its prologue and the merge than on streaming. flintgen's H200
+    # timings (same method as above) agree at long contexts: batch 1 x 32k
+    # 21.4 us (3.2 TB/s) vs 25.8 with 66 x 4-warp splits; batch 8 x 8k 37.9 us
+    # vs 41-43 with 16 splits, 8 warps or 4 stages; batch 128 x 8k 490 us
+    # (4.4 TB/s) for every variant tried. Short contexts are the lead: batch
+    # 1 x 1k takes 7.1 us vs 6.0 with 4 warps (33 splits) or min_pages 1.
     if num_bh <= 8:
         splits = max(1, num_sms // num_bh)
         warps, stages = 8, 2

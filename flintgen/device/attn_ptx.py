@@ -36,3 +36,20 @@ def selp_u32(a, b, pred, *, loc=None, ip=None):
         [Uint32], [(Uint32, a), (Uint32, b), (Int32, pred)],
         "{ .reg .pred p; setp.ne.s32 p, $3, 0; selp.b32 $0, $1, $2, p; }", loc=loc, ip=ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def lds_f32x4(addr, *, loc=None, ip=None):
+    return _asm(
+        [Float32] * 4, [(Uint32, addr)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def sts_f32x2(addr, a, b, *, loc=None, ip=None):
+    _asm(
+        [], [(Uint32, addr), (Float32, a), (Float32, b)],
+        "st.shared.v2.f32 [$0], {$1, $2};", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from flintgen.kernels.base import KernelDef
+from flintgen.kernels.decode_attention import DecodeAttentionDef
 from flintgen.kernels.rms_norm import RMSNormDef
 
-KERNELS: dict[str, KernelDef] = {k.name: k for k in (RMSNormDef(),)}
+KERNELS: dict[str, KernelDef] = {k.name: k for k in (RMSNormDef(), DecodeAttentionDef())}
 
 
 def get_def(name: str) -> KernelDef:

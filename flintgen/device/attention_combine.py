@@ -1,0 +1,270 @@
+"""Merging decode-attention partials: warps -> CTA -> splits, and the output.
+
+Provenance: the hand-written Flint decode kernel (shared/seeds/000_*.txt):
+its CTA combine, ``combine_splits``, ``cluster_reduce`` and ``store_out``.
+
+A partial is (O, m, l) per head: O unnormalized (sum of p * V), m the max of
+the unscaled logits, l the sum of p = exp2(s * c - m * c), c = scale * log2 e.
+Merging partials r: m = max m_r, w_r = exp2(m_r * c - m * c) (0 for an empty
+partial, m_r = -inf), O = sum w_r O_r, l = sum w_r l_r; the output is
+O / (l + exp2(sink * log2 e - m * c)).
+
+Epilogue thread mapping (8 heads x 128 dims over the CTA): thread ``tid``
+owns head ``eh = tid // (128 / E)``, dims ``ed .. ed + E - 1`` with
+``ed = (tid % (128 / E)) * E`` and ``E = 1024 / threads`` (8 for 4 warps,
+4 for 8 warps).
+
+Shared scratch per warp (fp32, ``WARP_SCRATCH`` floats)::
+
+    [head * 128 + dim]   O      (1024)
+    [1024 + head]        m      (8)
+    [1032 + head]        l      (8)
+
+Global split partials, row ``prow = (b * kv_heads + kvh) * splits + split``::
+
+    part_o[prow * 1024 + head * 128 + dim]   fp32
+    part_ml[prow * 16 + head]                m;  [prow * 16 + 8 + head]  l
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from flintgen.device import ptx
+from flintgen.device.attn_ptx import lds_f32x4, selp_f32, sts_f32x2, stg_b16
+
+GQA = 8
+HEAD_DIM = 128
+WARP_SCRATCH = GQA * HEAD_DIM + 2 * GQA  # floats
+LOG2E = 1.4426950408889634
+
+
+@cute.jit
+def _weight(m_r, scale_log2, m_s):
+    """exp2(m_r * c - m * c), 0 for an empty partial (m_r = -inf; also when
+    m = -inf, where the fma alone would give NaN)."""
+    return selp_f32(ptx.ex2(ptx.fma(m_r, scale_log2, -m_s)), Float32(0.0), Int32(m_r != ptx.neg_inf()))
+
+
+@cute.jit
+def cta_combine(acc, m0, m1, l0, l1, scratch, warp, g, t, eh, ed, scale_log2, o,
+                NW: cutlass.Constexpr, E: cutlass.Constexpr):
+    """Merge the warps' partials through shared memory (``scratch``: the ring,
+    free once every warp has consumed its pages). ``acc``/``m``/``l`` per the
+    ``decode_mma`` layout, ``l`` already summed over the warp. Fills ``o`` (E
+    floats) and returns ``(m_cta, l_cta)`` for head ``eh``."""
+    cute.arch.sync_threads()
+    wbuf = scratch + warp * (WARP_SCRATCH * 4)
+    for j in cutlass.range_constexpr(8):
+        d0 = 64 * (j // 4) + 8 * g + 2 * (j % 4)
+        sts_f32x2(wbuf + ((2 * t) * HEAD_DIM + d0) * 4, acc[4 * j], acc[4 * j + 2])
+        sts_f32x2(wbuf + ((2 * t + 1) * HEAD_DIM + d0) * 4, acc[4 * j + 1], acc[4 * j + 3])
+    if g == 0:
+        sts_f32x2(wbuf + (1024 + 2 * t) * 4, m0, m1)
+        sts_f32x2(wbuf + (1032 + 2 * t) * 4, l0, l1)
+    cute.arch.sync_threads()
+
+    m_cta = ptx.neg_inf()
+    for w in cutlass.range_constexpr(NW):
+        m_cta = cute.arch.fmax(m_cta, ptx.lds_f32(scratch + (w * WARP_SCRATCH + 1024 + eh) * 4))
+    m_cta_s = m_cta * scale_log2
+    l_cta = Float32(0.0)
+    for e in cutlass.range_constexpr(E):
+        o[e] = Float32(0.0)
+    for w in cutlass.range_constexpr(NW):
+        base = scratch + w * (WARP_SCRATCH * 4)
+        wgt = _weight(ptx.lds_f32(base + (1024 + eh) * 4), scale_log2, m_cta_s)
+        l_cta = l_cta + wgt * ptx.lds_f32(base + (1032 + eh) * 4)
+        for i in cutlass.range_constexpr(E // 4):
+            v = lds_f32x4(base + (eh * HEAD_DIM + ed + 4 * i) * 4)
+            for j in cutlass.range_constexpr(4):
+                o[4 * i + j] = o[4 * i + j] + wgt * v[j]
+    return m_cta, l_cta
+
+
+@cute.jit
+def store_out(out_row, ed, o, inv, E: cutlass.Constexpr):
+    """bf16(o * inv) -> ``out_row`` (byte address of out[b, head, 0]) dims ed.."""
+    if cutlass.const_expr(E == 4):
+        ptx.stg_u32x2(out_row + ed * 2, ptx.bf16x2(o[0] * inv, o[1] * inv),
+                      ptx.bf16x2(o[2] * inv, o[3] * inv))  # fmt: skip
+    for i in cutlass.range_constexpr(E // 8):
+        w = [ptx.bf16x2(o[8 * i + 2 * j] * inv, o[8 * i + 2 * j + 1] * inv) for j in range(4)]
+        ptx.stg_u32x4(out_row + (ed + 8 * i) * 2, w[0], w[1], w[2], w[3])
+
+
+@cute.jit
+def store_zeros(out_row, ed, E: cutlass.Constexpr):
+    """seq_len 0: exact zeros (nothing to attend, no sink-only output)."""
+    z = cutlass.Uint32(0)
+    if cutlass.const_expr(E == 4):
+        ptx.stg_u32x2(out_row + ed * 2, z, z)
+    for i in cutlass.range_constexpr(E // 8):
+        ptx.stg_u32x4(out_row + (ed + 8 * i) * 2, z, z, z, z)
+
+
+@cute.jit
+def publish_partial(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constexpr):
+    """Store this split's partial (``po_row``/``pml_row``: byte addresses of
+    its part_o / part_ml rows)."""
+    po = po_row + (eh * HEAD_DIM + ed) * 4
+    for i in cutlass.range_constexpr(E // 4):
+        ptx.stg_f32x4(po + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
+    if ed == 0:
+        ptx.stg_f32(pml_row + eh * 4, m_cta)
+        ptx.stg_f32(pml_row + (GQA + eh) * 4, l_cta)
+
+
+@cute.jit
+def arrive(counter, flag, tid):
+    """Count this CTA's arrival on the (request, kv head) ``counter`` (global
+    byte address) once all its partial stores are issued; returns the number
+    of splits that arrived before it (same value in every thread). The
+    acq_rel atomic after the barrier releases the CTA's stores and, in the
+    last CTA, acquires everyone else's (CUTLASS's semaphore pattern)."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        ptx.sts_i32(flag, ptx.atomic_add_acq_rel(counter, Int32(1)))
+    cute.arch.sync_threads()
+    return ptx.lds_i32(flag)
+
+
+@cute.jit
+def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_log2, sink_s, out_row,
+                   o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr):
+    """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
+    at ``po_base``/``pml_base`` (rows of split 0) and write the output.
+
+    ``ml_smem``: shared scratch of ``16 * NSPLIT + 16`` floats (m, l table,
+    then the per-head merged m * c and l)."""
+    # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
+    # thread; the first round is issued before the m / l staging to hide its
+    # L2 latency behind it.
+    RCH = min(NSPLIT, max(1, 128 // E))
+    o_base = po_base + (eh * HEAD_DIM + ed) * 4
+    vs = cute.make_rmem_tensor((RCH * E,), Float32)
+    for r in cutlass.range_constexpr(RCH):
+        sr = Int64(cutlass.min(Int32(r), num_splits - 1))
+        for i in cutlass.range_constexpr(E // 4):
+            v = ptx.ldg_cg_f32x4(o_base + sr * (GQA * HEAD_DIM * 4) + 16 * i)
+            for j in cutlass.range_constexpr(4):
+                vs[r * E + 4 * i + j] = v[j]
+    THREADS = 32 * NW
+    for i in cutlass.range_constexpr((NSPLIT * 4 + THREADS - 1) // THREADS):
+        idx = tid + i * THREADS
+        if idx < num_splits * 4:
+            v = ptx.ldg_cg_f32x4(pml_base + Int64(idx) * 16)
+            for j in cutlass.range_constexpr(4):
+                ptx.sts_f32(ml_smem + (idx * 4 + j) * 4, v[j])
+    cute.arch.sync_threads()
+
+    # Warp w merges heads w, w + NW, ..; its lanes cover the splits. Each
+    # split's weight replaces its l in the table.
+    warp = tid // 32
+    lane = tid % 32
+    NL = (NSPLIT + 31) // 32
+    for hh in cutlass.range_constexpr(GQA // NW):
+        h = warp + hh * NW
+        mloc = [Float32(0.0)] * NL
+        for r in cutlass.range_constexpr(NL):
+            sidx = lane + 32 * r
+            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * 16
+            mloc[r] = selp_f32(ptx.lds_f32(ml_smem + (row + h) * 4), ptx.neg_inf(),
+                               Int32(sidx < num_splits))  # fmt: skip
+        mh = mloc[0]
+        for r in cutlass.range_constexpr(1, NL):
+            mh = cute.arch.fmax(mh, mloc[r])
+        for off in cutlass.range_constexpr(5):
+            mh = cute.arch.fmax(mh, cute.arch.shuffle_sync_bfly(mh, 1 << off))
+        mh_s = mh * scale_log2
+        lh = Float32(0.0)
+        for r in cutlass.range_constexpr(NL):
+            sidx = lane + 32 * r
+            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * 16
+            ok = Int32(sidx < num_splits)
+            wgt = _weight(mloc[r], scale_log2, mh_s)
+            lh = lh + wgt * selp_f32(ptx.lds_f32(ml_smem + (row + GQA + h) * 4), Float32(0.0), ok)
+            if sidx < num_splits:
+                ptx.sts_f32(ml_smem + (row + GQA + h) * 4, wgt)
+        for off in cutlass.range_constexpr(5):
+            lh = lh + cute.arch.shuffle_sync_bfly(lh, 1 << off)
+        if lane == 0:
+            ptx.sts_f32(ml_smem + (NSPLIT * 16 + h) * 4, mh_s)
+            ptx.sts_f32(ml_smem + (NSPLIT * 16 + GQA + h) * 4, lh)
+    cute.arch.sync_threads()
+
+    m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * 16 + eh) * 4)
+    l_all = ptx.lds_f32(ml_smem + (NSPLIT * 16 + GQA + eh) * 4)
+    for e in cutlass.range_constexpr(E):
+        o[e] = Float32(0.0)
+    for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
+        if cutlass.const_expr(r0 > 0):
+            if r0 < num_splits:
+                for r in cutlass.range_constexpr(RCH):
+                    sr = Int64(cutlass.min(Int32(r0 + r), num_splits - 1))
+                    for i in cutlass.range_constexpr(E // 4):
+                        v = ptx.ldg_cg_f32x4(o_base + sr * (GQA * HEAD_DIM * 4) + 16 * i)
+                        for j in cutlass.range_constexpr(4):
+                            vs[r * E + 4 * i + j] = v[j]
+        for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
+            row = cutlass.min(Int32(r0 + r), Int32(NSPLIT - 1)) * 16
+            wgt = selp_f32(ptx.lds_f32(ml_smem + (row + GQA + eh) * 4), Float32(0.0),
+                           Int32(r0 + r < num_splits))  # fmt: skip
+            for e in cutlass.range_constexpr(E):
+                o[e] = o[e] + wgt * vs[r * E + e]
+    inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
+    store_out(out_row, ed, o, inv, E)
+
+
+@cute.jit
+def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale_log2, out_b, so1,
+                   NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr):
+    """Merge the splits of a (request, kv head) inside its cluster: every CTA
+    sends rank r the dims ``[r * DPR, (r + 1) * DPR)`` of its partial O (plus
+    m and l) through DSMEM; after one cluster barrier each rank merges all
+    splits for its dims and writes them.
+
+    ``cbuf`` (shared, per rank): ``[split][head][DPR]`` O, then m
+    ``[split][head]``, then l ``[split][head]`` (fp32). The caller has done
+    ``cluster_arrive_relaxed`` early; the wait here makes sure every peer is
+    running before its shared memory is written."""
+    DPR = HEAD_DIM // NSPLIT
+    M_OFF = NSPLIT * GQA * DPR
+    L_OFF = M_OFF + GQA * NSPLIT
+    peer = ptx.mapa(cbuf, Int32(ed // DPR))
+    cute.arch.cluster_wait()
+    dst = peer + ((rank * GQA + eh) * DPR + ed % DPR) * 4
+    for i in cutlass.range_constexpr(E // 4):
+        ptx.st_cluster_f32x4(dst + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
+    if ed % DPR == 0:
+        ptx.st_cluster_f32(peer + (M_OFF + rank * GQA + eh) * 4, m_cta)
+        ptx.st_cluster_f32(peer + (L_OFF + rank * GQA + eh) * 4, l_cta)
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+
+    # This rank owns dims [rank * DPR, (rank + 1) * DPR) of all 8 heads: OPT
+    # consecutive dims of one head per thread.
+    OPT = GQA * DPR // (32 * NW)
+    h = tid * OPT // DPR
+    dl = tid * OPT % DPR
+    m_all = ptx.neg_inf()
+    for r in cutlass.range_constexpr(NSPLIT):
+        m_all = cute.arch.fmax(m_all, ptx.lds_f32(cbuf + (M_OFF + r * GQA + h) * 4))
+    m_all_s = m_all * scale_log2
+    l_all = Float32(0.0)
+    oo = [Float32(0.0)] * OPT
+    for r in cutlass.range_constexpr(NSPLIT):
+        wgt = _weight(ptx.lds_f32(cbuf + (M_OFF + r * GQA + h) * 4), scale_log2, m_all_s)
+        l_all = l_all + wgt * ptx.lds_f32(cbuf + (L_OFF + r * GQA + h) * 4)
+        for e in cutlass.range_constexpr(OPT):
+            oo[e] = oo[e] + wgt * ptx.lds_f32(cbuf + ((r * GQA + h) * DPR + dl + e) * 4)
+    sink_s = Float32(sinks[head0 + h]) * LOG2E
+    inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
+    dst_g = out_b + (Int64(head0 + h) * so1 + rank * DPR + dl) * 2
+    for e in cutlass.range_constexpr(0, OPT, 2):
+        if cutlass.const_expr(e + 1 < OPT):
+            ptx.stg_u32(dst_g + e * 2, ptx.bf16x2(oo[e] * inv, oo[e + 1] * inv))
+        else:
+            stg_b16(dst_g + e * 2, ptx.bf16x2(oo[e] * inv, oo[e] * inv))

@@ -1,0 +1,373 @@
+"""Host side of split-KV paged decode attention (cute-free).
+
+    op = flintgen.get_kernel(spec, "decode_attention")
+    op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out)
+
+Design: templates/decode_attention.py.j2 and the device modules it imports;
+launch heuristics: flintgen/configs/decode_attention_config.py.
+
+Contracts the op relies on (documented on ``DecodeAttentionOp``):
+
+* seq_lens and block_tables are read by the kernel *before* its
+  grid-dependency wait (as are the cache pages other than the one holding
+  the current token), so no kernel of the PDL chain leading into the launch
+  may write them: they come from host-to-device copies ahead of the decode
+  step. q, the current token's page, out and the workspace may be written by
+  the kernel right before.
+* The workspace (fp32 split partials + self-resetting arrival counters) is
+  allocated once per device, zeroed once, and never replaced, so CUDA graphs
+  keep valid pointers. Launches sharing it must be ordered: an eager launch
+  from another stream than the previous launch first makes its stream wait
+  for that one (the seed's rule). Launches recorded in a CUDA graph are
+  ordered by the graph; replaying a graph on one stream while launching
+  eagerly on another is the caller's to order.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Mapping
+
+from flintgen.configs import decode_attention_config as dac
+from flintgen.kernels.base import KernelDef, Loader, Target, Variant
+from flintgen.knobs import knobs
+from flintgen.spec import Spec
+
+LOG2E = 1.4426950408889634
+
+
+def _layer_kinds(spec: Spec) -> list[bool]:
+    """``sliding`` flags of the layer kinds the spec has (sliding first)."""
+    return [s for s, present in ((True, spec.has_sliding), (False, spec.has_full)) if present]
+
+
+def _configs(spec: Spec, target: Target, sliding: bool) -> dict[int, dac.DecodeAttentionConfig]:
+    return dac.all_configs(
+        max_batch=spec.max_batch, num_kv_heads=spec.kv_heads_per_rank, sliding=sliding,
+        window=spec.sliding_window if sliding else None, head_dim=spec.head_dim, gqa=spec.gqa,
+        page_size=spec.page_size, num_sms=target.num_sms,
+    )  # fmt: skip
+
+
+def _variant(spec: Spec, sliding: bool, cfg: dac.DecodeAttentionConfig) -> Variant:
+    return Variant.of(
+        "decode_attention", kv_heads=spec.kv_heads_per_rank, gqa=spec.gqa, head_dim=spec.head_dim,
+        page_size=spec.page_size, sliding=sliding, **cfg.as_params(),
+    )  # fmt: skip
+
+
+class DecodeAttentionDef(KernelDef):
+    name = "decode_attention"
+    template = "decode_attention.py.j2"
+    description = "split-KV paged decode attention with sinks and sliding window (GQA 8, d 128, page 16)"
+    required_ptx = (
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "mbarrier.try_wait.parity",
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "griddepcontrol.wait",
+        "griddepcontrol.launch_dependents",
+        "ex2.approx.ftz.f32",
+    )
+
+    def variants(self, spec: Spec, target: Target) -> list[Variant]:
+        dac.check_supported(head_dim=spec.head_dim, gqa=spec.gqa, page_size=spec.page_size)
+        out: list[Variant] = []
+        for sliding in _layer_kinds(spec):
+            for cfg in dict.fromkeys(_configs(spec, target, sliding).values()):
+                v = _variant(spec, sliding, cfg)
+                if v not in out:
+                    out.append(v)
+        return out
+
+    def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
+        p = dict(variant.params)
+        cfg = dac.DecodeAttentionConfig(
+            p["num_splits"], p["num_warps"], p["num_stages"], p["min_pages"], p["cluster"], p["ctas_per_sm"]
+        )
+        pad = 0
+        if cfg.ctas_per_sm:
+            pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
+        p["pad_bytes"] = pad
+        return p
+
+    def bind(self, spec: Spec, target: Target, load: Loader) -> "DecodeAttentionOp":
+        self.variants(spec, target)  # raises for unsupported shapes at build time
+        return DecodeAttentionOp(spec, target, load)
+
+
+class _Workspace:
+    """Per-device persistent buffers (see the module docstring)."""
+
+    def __init__(self, part_o, part_ml, counters):
+        self.part_o = part_o
+        self.part_ml = part_ml
+        self.counters = counters
+        self.last_stream = None
+
+
+class DecodeAttentionOp:
+    """``op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out) -> out``
+
+    Paged decode attention with sinks, one query token per request, on the
+    current CUDA stream with programmatic dependent launch. Shapes (B requests,
+    Hq = spec q heads per rank, Hkv = Hq / 8 kv heads, D = 128):
+
+    * ``q``: [B, Hq, D] bf16; last dim contiguous, row strides multiples of 8
+      elements, 16-byte aligned (a view into a fused qkv output is fine).
+    * ``kv_cache``: [num_blocks, Hkv, 16, 2 * D] bf16 HND cache, K in
+      ``[..., :D]`` and V in ``[..., D:]``; each (block, kv head) page of
+      16 x 2D contiguous, block / head strides multiples of 8, 16-byte aligned.
+    * ``block_tables``: [B, max_blocks] int32, last dim contiguous; entries of
+      the attended pages must be valid block ids (others are never read).
+    * ``seq_lens``: [B] int32 KV lengths including the current token; 0 writes
+      zeros; values above ``max_blocks * 16`` are clamped to it.
+    * ``sinks``: [Hq] fp32 sink logits, or None when the spec has no sinks (a
+      per-device -inf buffer is used: exp2(-inf) adds nothing).
+    * ``window``: None for full attention, else attend to the last ``window``
+      positions (int >= 1). The launch config was tuned for the spec's window;
+      another length is correct, just not tuned, and never recompiles.
+    * ``scale``: softmax scale (finite, > 0).
+    * ``out``: [B, Hq, D] bf16, same layout rules as ``q``.
+
+    seq_lens and block_tables are read before the kernel's grid-dependency
+    wait: no kernel of the PDL chain ahead of the launch may write them (use
+    host-to-device copies, as a serving loop does). B must be <= spec.max_batch.
+    CUDA graphs: call ``warmup`` first (loads every variant, allocates the
+    workspace); the launch shape depends only on B.
+    """
+
+    name = "decode_attention"
+
+    def __init__(self, spec: Spec, target: Target, load: Loader):
+        self.spec = spec
+        self.target = target
+        self._load = load
+        self.q_heads = spec.q_heads_per_rank
+        self.kv_heads = spec.kv_heads_per_rank
+        self.head_dim = spec.head_dim
+        self.page = spec.page_size
+        self._configs = {s: _configs(spec, target, s) for s in _layer_kinds(spec)}
+        self._variants = {s: {b: _variant(spec, s, c) for b, c in cfgs.items()}
+                          for s, cfgs in self._configs.items()}  # fmt: skip
+        self._max_partials = max(dac.max_partials(c, self.kv_heads) for c in self._configs.values())
+        self._workspaces: dict[Any, _Workspace] = {}
+        self._no_sinks: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ validation
+    def _check(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out) -> int:
+        """Validate every argument; returns B. Types, dtypes, shapes and
+        strides are checked before devices, so every rejection but the device
+        ones is reachable with CPU tensors (and none needs a kernel load)."""
+        import torch
+
+        hq, hkv, d, page = self.q_heads, self.kv_heads, self.head_dim, self.page
+        spec = self.spec
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, int):
+                raise TypeError(f"window must be None or an int, got {type(window).__name__} {window!r}")
+            if not 1 <= window < 2**31:
+                raise ValueError(f"window must be >= 1 (positions attended, the current one included) "
+                                 f"or None for full attention, got {window}")
+            if not spec.has_sliding:
+                raise ValueError(f"window={window} but spec {spec.name!r} has no sliding layers: pass window=None")
+        elif not spec.has_full:
+            raise ValueError(f"window=None (full attention) but spec {spec.name!r} has only sliding layers: "
+                             f"pass window={spec.sliding_window}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                or scale <= 0:
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r} (typically "
+                             f"{spec.scale:.6g} = head_dim ** -0.5)")
+
+        _typed("q", q, torch.bfloat16)
+        if q.dim() != 3 or tuple(q.shape[1:]) != (hq, d):
+            raise ValueError(f"q must have shape [B, {hq}, {d}] (spec {spec.name!r}: {hq} q heads per rank, "
+                             f"head_dim {d}), got {tuple(q.shape)}")
+        batch = q.shape[0]
+        _check_rows("q", q)
+        _typed("out", out, torch.bfloat16)
+        if tuple(out.shape) != (batch, hq, d):
+            raise ValueError(f"out must have shape {(batch, hq, d)} like q, got {tuple(out.shape)}")
+        _check_rows("out", out)
+        _typed("kv_cache", kv_cache, torch.bfloat16)
+        if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (hkv, page, 2 * d):
+            raise ValueError(
+                f"kv_cache must be the HND cache [num_blocks, {hkv}, {page}, {2 * d}] (kv heads, page size, "
+                f"K | V of head_dim {d}), got {tuple(kv_cache.shape)}"
+            )
+        st = kv_cache.stride()
+        if st[3] != 1 or st[2] != 2 * d or st[1] % 8 or st[0] % 8:
+            raise ValueError(
+                f"kv_cache strides {st} are not supported: each (block, kv head) page must be contiguous "
+                f"(strides [.., .., {2 * d}, 1]) with block and head strides multiples of 8 elements "
+                "(16 bytes, for bulk copies); pass the cache tensor itself, not a permuted view"
+            )
+        _typed("block_tables", block_tables, torch.int32)
+        if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+            raise ValueError(f"block_tables must have shape [B={batch}, max_blocks >= 1], got "
+                             f"{tuple(block_tables.shape)}")
+        if block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables rows must be contiguous (stride(1) == 1), got strides "
+                             f"{block_tables.stride()}: call .contiguous()")
+        _typed("seq_lens", seq_lens, torch.int32)
+        if tuple(seq_lens.shape) != (batch,) or (batch > 1 and seq_lens.stride(0) != 1):
+            raise ValueError(f"seq_lens must be a contiguous [B={batch}] tensor, got shape "
+                             f"{tuple(seq_lens.shape)}, strides {seq_lens.stride()}")
+        tensors = [("q", q), ("out", out), ("kv_cache", kv_cache), ("block_tables", block_tables),
+                   ("seq_lens", seq_lens)]  # fmt: skip
+        if spec.sinks:
+            if sinks is None:
+                raise ValueError(f"spec {spec.name!r} has sinks=True: pass sinks, a [{hq}] fp32 tensor of "
+                                 "per-head sink logits")
+            _typed("sinks", sinks, torch.float32)
+            if tuple(sinks.shape) != (hq,) or sinks.stride(0) != 1:
+                raise ValueError(f"sinks must be a contiguous [{hq}] fp32 tensor (one logit per q head), got "
+                                 f"shape {tuple(sinks.shape)}")
+            tensors.append(("sinks", sinks))
+        elif sinks is not None:
+            raise ValueError(f"spec {spec.name!r} has sinks=False: pass sinks=None (or build a spec with "
+                             "sinks=True)")
+        if batch > spec.max_batch:
+            raise ValueError(f"batch {batch} exceeds spec {spec.name!r} max_batch = {spec.max_batch}: build "
+                             "a spec with a larger max_batch")
+        dev = q.device
+        for name, t in tensors:
+            if t.device.type != "cuda":
+                raise ValueError(f"{name} must be on a CUDA device, got {t.device}: move it with .cuda()")
+            if t.device != dev:
+                raise ValueError(f"{name} is on {t.device} but q is on {dev}: put every input on one device")
+        for name, t in tensors:
+            align = 16 if t.dtype == torch.bfloat16 else 4
+            if t.numel() and t.data_ptr() % align:
+                raise ValueError(f"{name} must be {align}-byte aligned (data_ptr % {align} = "
+                                 f"{t.data_ptr() % align}): pass a fresh allocation or .clone() it")
+        return batch
+
+    # ------------------------------------------------------------ launch
+    def config(self, batch: int, sliding: bool) -> dac.DecodeAttentionConfig:
+        return self._configs[sliding][batch]
+
+    def __call__(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out):
+        batch = self._check(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out)
+        if batch == 0:
+            return out
+        sliding = window is not None
+        fn = self._load(self._variants[sliding][batch])
+        ws = self._workspace(q.device)
+        self._order_streams(q.device, ws)
+        if sinks is None:
+            sinks = self._sinks_none(q.device)
+        if knobs.check_inputs:
+            _check_device_inputs(kv_cache, block_tables, seq_lens)
+        fn(q, kv_cache, block_tables, seq_lens, sinks, out, ws.part_o, ws.part_ml, ws.counters,
+           float(scale) * LOG2E, 0 if window is None else int(window))  # fmt: skip
+        return out
+
+    def _workspace(self, device) -> _Workspace:
+        import torch
+
+        ws = self._workspaces.get(device)
+        if ws is not None:
+            return ws
+        with self._lock:
+            ws = self._workspaces.get(device)
+            if ws is None:
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("flintgen decode_attention: the workspace is allocated on first use, "
+                                       "which must not be inside a CUDA-graph capture: call op.warmup(device) "
+                                       "(or flintgen.warmup(spec)) before capturing")
+                n = max(self._max_partials, 1)
+                g, d = self.spec.gqa, self.head_dim
+                ws = _Workspace(
+                    torch.empty(n * g * d, dtype=torch.float32, device=device),
+                    torch.empty(n * 2 * g, dtype=torch.float32, device=device),
+                    # Zeroed once; every launch leaves them at zero again.
+                    torch.zeros(max(self.spec.max_batch * self.kv_heads, 1), dtype=torch.int32, device=device),
+                )
+                self._workspaces[device] = ws
+        return ws
+
+    def _order_streams(self, device, ws: _Workspace) -> None:
+        """Launches sharing the workspace run in stream order: a launch from
+        another stream than the previous one waits for that stream first. Not
+        during capture (the captured graph's order is the capture stream's)."""
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return
+        stream = torch.cuda.current_stream(device)
+        last = ws.last_stream
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+        ws.last_stream = stream
+
+    def _sinks_none(self, device):
+        import torch
+
+        t = self._no_sinks.get(device)
+        if t is None:
+            t = torch.full((self.q_heads,), float("-inf"), dtype=torch.float32, device=device)
+            self._no_sinks[device] = t
+        return t
+
+    def variants(self) -> list[Variant]:
+        return list(dict.fromkeys(v for per in self._variants.values() for v in per.values()))
+
+    def warmup(self, device) -> None:
+        """Load every variant, allocate the workspace and run each binary once
+        (batch of its smallest size, seq_len 0) so nothing loads during a
+        CUDA-graph capture."""
+        import torch
+
+        device = torch.device(device)
+        hq, d = self.q_heads, self.head_dim
+        kv = torch.zeros(1, self.kv_heads, self.page, 2 * d, dtype=torch.bfloat16, device=device)
+        sinks = torch.zeros(hq, dtype=torch.float32, device=device) if self.spec.sinks else None
+        for sliding, per in self._variants.items():
+            seen = set()
+            for b, v in per.items():
+                if v in seen:
+                    continue
+                seen.add(v)
+                q = torch.zeros(b, hq, d, dtype=torch.bfloat16, device=device)
+                out = torch.empty_like(q)
+                bt = torch.zeros(b, 1, dtype=torch.int32, device=device)
+                lens = torch.zeros(b, dtype=torch.int32, device=device)
+                self(q, kv, bt, lens, sinks, self.spec.sliding_window if sliding else None,
+                     self.spec.scale, out)  # fmt: skip
+
+
+def _typed(name, t, dtype) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}: convert it with .to({dtype})")
+
+
+def _check_rows(name, t) -> None:
+    s = t.stride()
+    if s[2] != 1 or s[1] % 8 or s[0] % 8:
+        raise ValueError(f"{name} must have a contiguous last dim and row strides that are multiples of 8 "
+                         f"elements (16-byte rows), got strides {s}: call .contiguous()")
+
+
+def _check_device_inputs(kv_cache, block_tables, seq_lens) -> None:
+    """FLINTGEN_CHECK_INPUTS=1: synchronize and check the device-side contract
+    (block ids of attended pages in range, seq_lens within the table)."""
+    import torch
+
+    page = kv_cache.shape[2]
+    lens = seq_lens.to(torch.int64).cpu()
+    width = block_tables.shape[1]
+    if (lens < 0).any() or (lens > width * page).any():
+        raise ValueError(f"seq_lens must lie in [0, max_blocks * {page} = {width * page}], got "
+                         f"{lens.tolist()}")
+    pages = (lens + page - 1) // page
+    cols = torch.arange(width)
+    used = cols[None, :] < pages[:, None]
+    ids = block_tables.cpu()[used]
+    if ids.numel() and (ids.min() < 0 or ids.max() >= kv_cache.shape[0]):
+        raise ValueError(f"block_tables has ids outside [0, {kv_cache.shape[0]}) in attended pages")

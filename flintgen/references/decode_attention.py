@@ -1,0 +1,95 @@
+"""References for paged decode attention with sinks (cute-free, torch only).
+
+* ``decode_attention_ref``: fp64, the sink appended as an extra softmax
+  column and dropped after the softmax (FlashInfer's sink oracle).
+* ``decode_attention_seed_rounding``: what a careful single-pass torch
+  implementation with the kernel's roundings gives: S in fp32 from bf16 q, K;
+  p = exp2(S c - m c) in fp32 with c = scale log2 e; l = sum(p) + exp2(sink
+  log2 e - m c); O = (bf16(p) @ V) / l in fp32, rounded to bf16. The kernel's
+  error must stay within 2x of this one's.
+
+Both take the op's arguments (q [B, Hq, D], HND cache [blocks, Hkv, page,
+2D], block_tables [B, max_blocks], seq_lens [B], sinks [Hq] or None, window
+or None, scale) and return [B, Hq, D]; seq_len 0 gives zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+LOG2E = 1.4426950408889634
+
+
+def _gather(kv_cache, block_tables, b, seq_len, window):
+    """(K, V) of request b's attended positions: [Hkv, n, D] each."""
+    page = kv_cache.shape[2]
+    d = kv_cache.shape[3] // 2
+    n_pages = min(-(-seq_len // page), block_tables.shape[1])
+    seq_len = min(seq_len, n_pages * page)
+    ids = block_tables[b, :n_pages].long()
+    rows = kv_cache[ids]                                   # [n_pages, Hkv, page, 2D]
+    rows = rows.permute(1, 0, 2, 3).reshape(kv_cache.shape[1], n_pages * page, 2 * d)
+    start = max(seq_len - window, 0) if window is not None else 0
+    rows = rows[:, start:seq_len]
+    return rows[..., :d], rows[..., d:]
+
+
+def decode_attention_ref(q, kv_cache, block_tables, seq_lens, sinks, window, scale):
+    """fp64 reference, [B, Hq, D] float64."""
+    import torch
+
+    batch, hq, d = q.shape
+    hkv = kv_cache.shape[1]
+    gqa = hq // hkv
+    out = torch.zeros(batch, hq, d, dtype=torch.float64, device=q.device)
+    lens = seq_lens.tolist()
+    for b in range(batch):
+        if lens[b] <= 0:
+            continue
+        k, v = _gather(kv_cache, block_tables, b, lens[b], window)
+        qb = q[b].double().view(hkv, gqa, d)
+        s = torch.einsum("hgd,hnd->hgn", qb, k.double()) * scale          # [Hkv, G, n]
+        if sinks is not None:
+            sk = sinks.double().view(hkv, gqa, 1)
+        else:
+            sk = torch.full((hkv, gqa, 1), -math.inf, dtype=torch.float64, device=q.device)
+        p = torch.softmax(torch.cat([s, sk], dim=-1), dim=-1)[..., :-1]
+        out[b] = torch.einsum("hgn,hnd->hgd", p, v.double()).reshape(hq, d)
+    return out
+
+
+def decode_attention_seed_rounding(q, kv_cache, block_tables, seq_lens, sinks, window, scale):
+    """Single-pass torch computation with the kernel's roundings, [B, Hq, D] bf16."""
+    import torch
+
+    batch, hq, d = q.shape
+    hkv = kv_cache.shape[1]
+    gqa = hq // hkv
+    c = scale * LOG2E
+    out = torch.zeros(batch, hq, d, dtype=torch.bfloat16, device=q.device)
+    lens = seq_lens.tolist()
+    for b in range(batch):
+        if lens[b] <= 0:
+            continue
+        k, v = _gather(kv_cache, block_tables, b, lens[b], window)
+        qb = q[b].float().view(hkv, gqa, d)
+        s = torch.einsum("hgd,hnd->hgn", qb, k.float())                    # fp32 from bf16
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp2(s * c - m * c)
+        l = p.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            l = l + torch.exp2(sinks.float().view(hkv, gqa, 1) * LOG2E - m * c)
+        o = torch.einsum("hgn,hnd->hgd", p.bfloat16().float(), v.float()) / l
+        out[b] = o.reshape(hq, d).bfloat16()
+    return out
+
+
+def rel_error(x, ref) -> float:
+    """Relative Frobenius error ||x - ref|| / ||ref|| in fp64 (0 when both are 0)."""
+    import torch
+
+    diff = torch.linalg.vector_norm((x.double() - ref.double()).flatten()).item()
+    norm = torch.linalg.vector_norm(ref.double().flatten()).item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm
