@@ -40,8 +40,12 @@ def read_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
     return n * 4 / statistics.median(times)
 
 
-def time_graph(fn: Callable[[], object], calls: int = 20, replays: int = 200, warmup: int = 3) -> dict:
-    """Median µs per call of ``fn`` over CUDA-graph replays (plus spread)."""
+def time_graph(fn: Callable[[], object], calls: int = 20, replays: int | None = None, warmup: int = 3,
+               budget_s: float = 0.4) -> dict:
+    """Median µs per call of ``fn`` over CUDA-graph replays (plus spread).
+
+    ``replays`` defaults to what fits ``budget_s`` of GPU time, within 20..200.
+    """
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -56,6 +60,13 @@ def time_graph(fn: Callable[[], object], calls: int = 20, replays: int = 200, wa
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
+    if replays is None:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        replays = int(min(200, max(20, budget_s / max(a.elapsed_time(b) * 1e-3, 1e-6))))
     per_call = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
