@@ -1,0 +1,99 @@
+"""Time alternative launch configs of decode attention against each other on
+the rows whose goals the default heuristics miss (see results/decode_attention.md).
+
+    python -m benchmarks.decode_attention_sweep --build   # CPU: compile every candidate into the cache
+    python -m benchmarks.decode_attention_sweep           # GPU: time them (CUDA-graph replay)
+
+Each candidate is forced by patching the heuristic for a spec of its own, so
+the normal variant/cache machinery compiles and loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import flintgen
+from flintgen.configs import decode_attention_config as dac
+from flintgen.configs.decode_attention_config import DecodeAttentionConfig as C
+
+FLINT = flintgen.get_preset("flint")
+TP2 = FLINT.replace(tp_size=2)
+WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)
+FULL = dict(layer_types=("full",), sliding_window=None)
+SLIDE = dict(layer_types=("sliding",))
+
+# row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
+ROWS = {
+    "16/2 B=1 L=1k": (TP2.replace(**FULL), 1, 1024, None, [
+        C(66, 8, 2, 2, False, 1), C(66, 4, 2, 2, False, 2), C(66, 4, 2, 1, False, 2), C(32, 4, 2, 1, False, 2),
+        C(16, 8, 2, 1, False, 1), C(8, 8, 2, 1, False, 1), C(16, 4, 2, 1, False, 2), C(66, 8, 2, 1, False, 1)]),
+    "16/2 B=1 L=32k": (TP2.replace(**FULL), 1, 32768, None, [
+        C(66, 8, 2, 2, False, 1), C(66, 8, 3, 2, False, 1), C(33, 8, 3, 2, False, 1), C(132, 4, 3, 2, False, 2),
+        C(132, 4, 4, 2, False, 2), C(66, 4, 4, 2, False, 2)]),
+    "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [
+        C(16, 4, 2, 2, False, 2), C(16, 4, 3, 2, False, 2), C(16, 4, 4, 2, False, 2), C(33, 4, 3, 2, False, 2),
+        C(16, 8, 3, 2, False, 1), C(8, 8, 3, 2, False, 1), C(33, 4, 4, 2, False, 2)]),
+    "64/8 B=32 w128": (WIDE.replace(**SLIDE), 32, 8192, 128, [
+        C(1, 4, 3, 1, False, 0), C(2, 4, 2, 1, True, 0), C(2, 4, 3, 1, True, 0), C(1, 4, 2, 1, False, 0),
+        C(1, 8, 2, 1, False, 0), C(4, 4, 2, 1, True, 0)]),
+}
+
+
+@contextlib.contextmanager
+def forced(cfg):
+    real = dac.launch_config
+    dac.launch_config = lambda **kw: cfg
+    try:
+        yield
+    finally:
+        dac.launch_config = real
+
+
+def _spec(row, i, base, batch):
+    return base.replace(name=f"sweep-{row}-{i}", max_batch=batch)
+
+
+def build():
+    from flintgen.kernels import KERNELS
+    from flintgen.kernels.base import Target
+    from flintgen.runtime import load_variant
+
+    k, t = KERNELS["decode_attention"], Target("sm_90a", 132)
+    for row, (base, batch, _, _, cands) in ROWS.items():
+        for i, cfg in enumerate(cands):
+            spec = _spec(row, i, base, batch)
+            with forced(cfg):
+                for v in k.variants(spec, t):
+                    load_variant(k, spec, v, t)
+            print("built", row, cfg)
+
+
+def time_all():
+    from benchmarks.decode_attention import Case
+    from benchmarks.harness import time_graph
+
+    print("| row | config (splits, warps, stages, min_pages, cluster, ctas/SM) | µs | vs default |")
+    print("|---|---|---|---|")
+    for row, (base, batch, L, window, cands) in ROWS.items():
+        case = None
+        base_us = None
+        for i, cfg in enumerate(cands):
+            spec = _spec(row, i, base, batch)
+            with forced(cfg):
+                if case is None:
+                    case = Case(spec, batch, [L] * batch, window)
+                case.spec = spec
+                flintgen.warmup(spec, ["decode_attention"])
+                us = min(time_graph(case.flintgen_fn())["median_us"] for _ in range(3))
+            base_us = base_us or us
+            tag = " (default)" if i == 0 else ""
+            print(f"| {row} | {tuple(cfg.as_params().values())}{tag} | {us:.2f} | {us / base_us:.2f}x |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", action="store_true")
+    a = ap.parse_args()
+    build() if a.build else time_all()
