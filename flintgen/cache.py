@@ -175,6 +175,7 @@ def _atomic_write(path: str, data: bytes) -> None:
     d = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600: other users of a shared cache must read it
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

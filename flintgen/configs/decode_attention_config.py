@@ -155,13 +155,20 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # vs 41-43 with 16 splits, 8 warps or 4 stages; batch 128 x 8k 490 us
     # (4.4 TB/s) for every variant tried. Short contexts are the lead: batch
     # 1 x 1k takes 7.1 us vs 6.0 with 4 warps (33 splits) or min_pages 1.
+    #
+    # Deviation from the seed, measured (benchmarks/decode_attention_sweep.py,
+    # H200, 2026-11-29, 16/2 heads, B=1): min_pages 1 instead of 2 for these
+    # small batches. At L=1k (64 pages per pair) min_pages 2 leaves 4 active
+    # 8-warp splits, min_pages 1 eight: 7.24 -> 6.15 us (and 4.83 us once the
+    # merge stopped loading inactive splits); at L=32k every split is active
+    # either way (11.27 us).
     if num_bh <= 8:
         splits = max(1, num_sms // num_bh)
-        warps, stages = 8, 2
+        warps, stages, min_pages = 8, 2, 1
     else:
         splits = max(1, 2 * num_sms // num_bh)
-        warps, stages = 4, (2 if num_bh <= 16 else 3)
-    return DecodeAttentionConfig(splits, warps, stages, 2, False, 8 // warps)
+        warps, stages, min_pages = 4, (2 if num_bh <= 16 else 3), 2
+    return DecodeAttentionConfig(splits, warps, stages, min_pages, False, 8 // warps)
 
 
 def all_configs(*, max_batch: int, num_kv_heads: int, sliding: bool, window: int | None,

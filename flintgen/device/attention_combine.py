@@ -132,6 +132,20 @@ def arrive(counter, flag, tid):
 
 
 @cute.jit
+def _load_round(vs, o_base, r0: cutlass.Constexpr, num_splits, RCH: cutlass.Constexpr, E: cutlass.Constexpr):
+    """Load splits ``r0 .. r0 + RCH`` of this thread's E dims into ``vs``;
+    rows past ``num_splits`` are zero and issue no load."""
+    for r in cutlass.range_constexpr(RCH):
+        for k in cutlass.range_constexpr(E):
+            vs[r * E + k] = Float32(0.0)
+        if r0 + r < num_splits:
+            for i in cutlass.range_constexpr(E // 4):
+                v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * (GQA * HEAD_DIM * 4) + 16 * i)
+                for j in cutlass.range_constexpr(4):
+                    vs[r * E + 4 * i + j] = v[j]
+
+
+@cute.jit
 def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_log2, sink_s, out_row,
                    o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr):
     """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
@@ -145,12 +159,10 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
     RCH = min(NSPLIT, max(1, 128 // E))
     o_base = po_base + (eh * HEAD_DIM + ed) * 4
     vs = cute.make_rmem_tensor((RCH * E,), Float32)
-    for r in cutlass.range_constexpr(RCH):
-        sr = Int64(cutlass.min(Int32(r), num_splits - 1))
-        for i in cutlass.range_constexpr(E // 4):
-            v = ptx.ldg_cg_f32x4(o_base + sr * (GQA * HEAD_DIM * 4) + 16 * i)
-            for j in cutlass.range_constexpr(4):
-                vs[r * E + 4 * i + j] = v[j]
+    # Loads of splits past ``num_splits`` are skipped, not clamped: with a
+    # 66-split variant and 8 active splits, clamped loads cost ~1.3 us at
+    # B=1, L=1k (66 vs 8 static splits, same active count; H200 sweep).
+    _load_round(vs, o_base, 0, num_splits, RCH, E)
     THREADS = 32 * NW
     for i in cutlass.range_constexpr((NSPLIT * 4 + THREADS - 1) // THREADS):
         idx = tid + i * THREADS
@@ -202,12 +214,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
     for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
         if cutlass.const_expr(r0 > 0):
             if r0 < num_splits:
-                for r in cutlass.range_constexpr(RCH):
-                    sr = Int64(cutlass.min(Int32(r0 + r), num_splits - 1))
-                    for i in cutlass.range_constexpr(E // 4):
-                        v = ptx.ldg_cg_f32x4(o_base + sr * (GQA * HEAD_DIM * 4) + 16 * i)
-                        for j in cutlass.range_constexpr(4):
-                            vs[r * E + 4 * i + j] = v[j]
+                _load_round(vs, o_base, r0, num_splits, RCH, E)
         for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
             row = cutlass.min(Int32(r0 + r), Int32(NSPLIT - 1)) * 16
             wgt = selp_f32(ptx.lds_f32(ml_smem + (row + GQA + eh) * 4), Float32(0.0),
