@@ -21,20 +21,23 @@ from typing import Callable
 import torch
 
 
+def elapsed_s(fn: Callable[[], object]) -> float:
+    """GPU seconds of ``fn()`` on the current stream, from CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e-3
+
+
 def read_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
     """Device read bandwidth in bytes/s: a reduction over ``gib`` GiB of fp32."""
     n = int(gib * (1 << 30)) // 4
     x = torch.ones(n, dtype=torch.float32, device="cuda")
     for _ in range(3):
         x.sum()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        x.sum()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
+    times = [elapsed_s(x.sum) for _ in range(iters)]
     del x
     torch.cuda.empty_cache()
     return n * 4 / statistics.median(times)
@@ -61,21 +64,8 @@ def time_graph(fn: Callable[[], object], calls: int = 20, replays: int | None = 
         g.replay()
     torch.cuda.synchronize()
     if replays is None:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        replays = int(min(200, max(20, budget_s / max(a.elapsed_time(b) * 1e-3, 1e-6))))
-    per_call = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        per_call.append(a.elapsed_time(b) * 1e3 / calls)
-    per_call.sort()
+        replays = int(min(200, max(20, budget_s / max(elapsed_s(g.replay), 1e-6))))
+    per_call = sorted(elapsed_s(g.replay) * 1e6 / calls for _ in range(replays))
     return {"median_us": statistics.median(per_call), "p10_us": per_call[len(per_call) // 10],
             "p90_us": per_call[9 * len(per_call) // 10]}
 
