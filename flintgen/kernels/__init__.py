@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from flintgen.kernels.base import KernelDef
 from flintgen.kernels.decode_attention import DecodeAttentionDef
+from flintgen.kernels.qkv import QKVDef
 from flintgen.kernels.rms_norm import RMSNormDef
 
-KERNELS: dict[str, KernelDef] = {k.name: k for k in (RMSNormDef(), DecodeAttentionDef())}
+KERNELS: dict[str, KernelDef] = {k.name: k for k in (RMSNormDef(), QKVDef(), DecodeAttentionDef())}
 
 
 def get_def(name: str) -> KernelDef:

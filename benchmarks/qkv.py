@@ -1,0 +1,192 @@
+"""Benchmark the fused QKV step (RMSNorm + QKV GEMV + q/k norm, RoPE, cache write).
+
+Cases:
+* flint (hidden 2048, 32/4 heads of 128, NVFP4) at M = 1 and 8: the whole
+  step (both kernels, PDL-chained) and the GEMV kernel alone;
+* hidden 4096, 32/8 heads, bf16 weights: the GEMV kernel against its
+  weight-read floor (goal >= 85%), with a sweep of launch configurations.
+
+Weights rotate over enough layer copies to exceed the 50 MB L2 (a real model's
+layers stream from HBM), one copy per captured call. Floors: bytes / the read
+bandwidth measured in the same process. Peer: torch F.linear on bf16 weights
+(cuBLAS) for the GEMV alone.
+
+    python -m benchmarks.qkv [--sweep]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import flintgen
+from benchmarks.harness import Row, read_bandwidth, time_graph, write_results
+from flintgen import quant
+from flintgen.configs.qkv_config import QKVConfig
+from flintgen.kernels.qkv import QKVDef
+from flintgen.runtime import load_variant
+
+L2_BYTES = 50 << 20
+KDEF = QKVDef()
+
+
+class Layers:
+    """Per-layer weights (enough copies to defeat L2) and shared activations."""
+
+    def __init__(self, spec, m, weights):
+        dev = "cuda"
+        h, d, n = spec.hidden_size, spec.head_dim, spec.qkv_out_features
+        self.spec, self.m = spec, m
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        self.x = torch.randn(m, h, **bf)
+        self.res = torch.randn(m, h, **bf)
+        self.norm_w = torch.randn(h, **bf) * 0.1 + 1
+        self.w = weights
+        self.qn = torch.randn(d, **bf) * 0.1 + 1 if spec.qk_norm else None
+        self.kn = torch.randn(d, **bf) * 0.1 + 1 if spec.qk_norm else None
+        self.cs = quant.rope_table(spec, 4096, dev) if spec.rope_style != "none" else None
+        self.pos = torch.randint(0, 4096, (m,), device=dev)
+        kv = spec.kv_heads_per_rank
+        self.cache = torch.zeros(64, kv, 16, 2 * d, **bf)       # flint's HND layout
+        self.k = self.cache[..., :d].permute(0, 2, 1, 3)
+        self.v = self.cache[..., d:].permute(0, 2, 1, 3)
+        self.slots = torch.arange(m, device=dev) * 3
+        self.q = torch.empty(m, spec.q_heads_per_rank * d, **bf)
+        self.xn = torch.empty(m, h, **bf)
+        self.bias = torch.randn(n, **bf) if spec.qkv_bias else None
+        self.i = 0
+
+    def weights(self):
+        w = self.w[self.i % len(self.w)]
+        self.i += 1
+        return w
+
+    def gemv_args(self, w):
+        args = [self.xn, w[0]]
+        if w[1] is not None:
+            args += [w[1], w[2]]
+        if self.bias is not None:
+            args.append(self.bias)
+        if self.qn is not None:
+            args += [self.qn, self.kn]
+        if self.cs is not None:
+            args += [self.cs, self.pos]
+        args += [self.slots, self.q, self.k, self.v]
+        if self.qn is not None:
+            args.append(1e-6)
+        return args
+
+
+def make_weights(spec, copies):
+    """``copies`` independent weight sets (quantized on the GPU for NVFP4)."""
+    n, h = spec.qkv_out_features, spec.hidden_size
+    out = []
+    for _ in range(copies):
+        w = torch.randn(n, h, device="cuda") * 0.02
+        if spec.weight_format == "nvfp4":
+            packed, sw, gs = quant.quantize_nvfp4(w)
+            out.append((packed, sw.view(torch.uint8), gs.reshape(1).to("cuda")))
+        else:
+            out.append((w.bfloat16(), None, None))
+    return out
+
+
+def weight_bytes(spec) -> int:
+    n, h = spec.qkv_out_features, spec.hidden_size
+    if spec.weight_format == "nvfp4":
+        return n * h // 2 + (-(-n // 128) * 128) * (h // 16)
+    return n * h * 2
+
+
+def copies_for(spec) -> int:
+    return max(2, -(-2 * L2_BYTES // weight_bytes(spec)))
+
+
+def gemv_fn(spec, t, cfg=None):
+    v = KDEF.variant(spec, config=cfg)
+    return load_variant(KDEF, spec, v, t)[0], v
+
+
+def main():
+    sweep = "--sweep" in sys.argv
+    flint = flintgen.get_preset("flint")
+    big = flint.replace(hidden_size=4096, num_kv_heads=8, weight_format="bf16", sliding_window=None,
+                        layer_types=("full",), sinks=False, name="h4096-32x8-bf16")
+    from flintgen import toolchain
+
+    t = toolchain.resolve_target()
+    bw = read_bandwidth()
+    rows = []
+    for spec, ms in ((flint, (1, 8)), (big, (1, 8))):
+        op = flintgen.get_kernel(spec, "qkv")
+        op.warmup(torch.device("cuda"))
+        wb = weight_bytes(spec)
+        weights = make_weights(spec, copies_for(spec))
+        for m in ms:
+            lay = Layers(spec, m, weights)
+            fn, v = gemv_fn(spec, t)
+
+            def step():
+                w = lay.weights()
+                return op(lay.x, lay.res, lay.norm_w, w[0], w[1], w[2], lay.qn, lay.kn, lay.cs, lay.pos,
+                          lay.k, lay.v, lay.slots, lay.bias, q_out=lay.q, xn_out=lay.xn,
+                          residual_out=lay.res)
+
+            def gemv():
+                fn(*lay.gemv_args(lay.weights()))
+
+            whole = time_graph(step)
+            alone = time_graph(gemv)
+            h = spec.hidden_size
+            act = m * h * 2 * 4 + m * spec.qkv_out_features * 2
+            peers = {}
+            if spec.weight_format == "bf16":
+                wl = [w[0] for w in lay.w]
+                j = [0]
+
+                def torch_linear():
+                    j[0] += 1
+                    return torch.nn.functional.linear(lay.xn, wl[j[0] % len(wl)])
+
+                peers["torch F.linear (GEMV only)"] = time_graph(torch_linear)["median_us"]
+            case = {"spec": spec.name, "weights": spec.weight_format, "M": m}
+            rows.append(Row(dict(case, what="RMSNorm + QKV step"), whole["median_us"], (wb + act) / bw * 1e6,
+                            {}, {"p10_us": whole["p10_us"], "p90_us": whole["p90_us"], "variant": v.name}))
+            rows.append(Row(dict(case, what="QKV GEMV kernel"), alone["median_us"], wb / bw * 1e6, peers,
+                            {"p10_us": alone["p10_us"], "p90_us": alone["p90_us"], "variant": v.name}))
+            print(rows[-2].case, f"{rows[-2].flintgen_us:.2f} us", rows[-1].case,
+                  f"{rows[-1].flintgen_us:.2f} us ({rows[-1].pct_of_floor:.0f}% of floor)", flush=True)
+            if sweep:
+                for cfg in sweep_configs(spec):
+                    f2, v2 = gemv_fn(spec, t, cfg)
+                    r = time_graph(lambda: f2(*lay.gemv_args(lay.weights())))
+                    tag = f"GEMV r{cfg.rows} w{cfg.warps} p{cfg.prefetch}" + (" early" if cfg.early_dequant else "")
+                    rows.append(Row(dict(case, what=tag),
+                                    r["median_us"], wb / bw * 1e6, {}, {"variant": v2.name}))
+                    print("  sweep", rows[-1].case["what"], f"{r['median_us']:.2f} us "
+                          f"({rows[-1].pct_of_floor:.0f}%)", flush=True)
+    md = write_results("qkv", rows, bw, "Weights rotate over copies exceeding L2. Floor: weight (+ activation) "
+                       "bytes / read bandwidth.")
+    print(md)
+
+
+def sweep_configs(spec):
+    """Launch configurations to compare with the heuristic's (all compile
+    without spills; registers noted)."""
+    C = QKVConfig
+    if spec.weight_format == "nvfp4":
+        cands = [C(16, 8, 8, 4),           # 8-CTA clusters (58 registers)
+                 C(16, 8, 8, 4, True),     # 95: dequantize before the grid wait
+                 C(16, 8, 4, 8),           # 80
+                 C(32, 4, 8, 4),           # 88: 160 CTAs
+                 C(32, 4, 8, 4, True)]     # 166
+    else:
+        cands = [C(16, 8, 8, 4), C(16, 8, 8, 2), C(16, 8, 8, 6), C(16, 8, 4, 4),
+                 C(32, 4, 8, 2), C(32, 4, 4, 2), C(32, 4, 8, 3)]
+    base = KDEF.config(spec)
+    return [c for c in cands if c != base and c.cluster * c.rows == spec.head_dim]
+
+
+if __name__ == "__main__":
+    main()

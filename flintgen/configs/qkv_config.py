@@ -1,0 +1,86 @@
+"""Launch configuration of the fused QKV GEMV (cute-free).
+
+Geometry: one cluster per head (q, k or v), ``cluster = head_dim / rows``
+CTAs of ``rows`` weight rows each; inside a CTA ``warps`` warps split K in
+64-value steps (step ``s`` goes to warp ``s % warps``) and each warp keeps the
+weights of ``prefetch`` steps in flight in registers, the first batch issued
+before ``griddepcontrol.wait`` so it streams while the RMSNorm kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_CLUSTER = 8          # portable cluster-size limit (no opt-in attribute needed)
+K_STEP = 64              # k per warp step: 4 threads x 16 values (one NVFP4 scale block each)
+PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights
+
+
+@dataclass(frozen=True)
+class QKVConfig:
+    rows: int       # weight rows per CTA: 16 (one m16 tile) or 32 (two)
+    cluster: int    # CTAs per head
+    warps: int      # K split inside the CTA
+    prefetch: int   # steps of weights a warp keeps in flight
+    early_dequant: bool = False  # NVFP4: dequantize the prefetched steps before the grid wait
+
+    def __post_init__(self) -> None:
+        if self.rows not in (16, 32):
+            raise ValueError(f"QKVConfig.rows = {self.rows} is not supported: use 16 or 32")
+        if not 1 <= self.cluster <= MAX_CLUSTER:
+            raise ValueError(f"QKVConfig.cluster = {self.cluster} is outside 1..{MAX_CLUSTER} "
+                             "(the portable cluster limit): use more rows per CTA")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"QKVConfig.warps = {self.warps} must be a power of two <= 16")
+        if self.early_dequant and self.prefetch < 1:
+            raise ValueError("QKVConfig.early_dequant needs prefetched steps")
+        if self.prefetch < 1:
+            raise ValueError(f"QKVConfig.prefetch = {self.prefetch} must be >= 1")
+
+    @property
+    def tiles(self) -> int:
+        return self.rows // 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @staticmethod
+    def regs_per_step(weight_format: str, tiles: int) -> int:
+        """Registers one step of weights takes per thread: rows g, g+8 of each
+        tile; NVFP4 = 2 words + 1 scale byte per row, bf16 = 8 words per row."""
+        return tiles * (6 if weight_format == "nvfp4" else 16)
+
+    @classmethod
+    def from_heuristic(cls, hidden: int, head_dim: int, weight_format: str) -> "QKVConfig":
+        """Measured on an H200 (benchmarks/results/qkv_correctness.md; GEMV
+        kernel alone, CUDA-graph replay, weights rotating beyond L2):
+
+        * rows 32 for head_dim >= 128 (4-CTA clusters at d = 128): flint
+          NVFP4 4.68 / 5.65 us (M = 1 / 8) against 5.32 / 6.48 with 16 rows
+          (8-CTA clusters); hidden 4096 32x8 bf16 15.40 / 16.15 us (77% / 73%
+          of the weight-read floor) against 17.7 / 18.6. Half the CTAs, half
+          the per-CTA fixed costs (xn multicast, reduction, cluster barriers).
+          d = 64 keeps 16 rows (4-CTA clusters; 2-CTA clusters not measured).
+        * warps 8: flint 5.91 / 10.61 us against 6.99 / 11.22 with 4 warps
+          (run 1); bf16 4096 r32: 15.40 us against 25.17 with 4 warps.
+        * prefetch: as many steps as fit in PREFETCH_REG_BUDGET registers
+          (NVFP4 6 per tile and step, bf16 16): flint 4 (all of a warp's
+          steps, issued before the grid-dependency wait); bf16 4096 r32 -> 2
+          (p3: 18.8 us, 144 registers).
+        * early_dequant off: 22-30% slower (95-166 registers -> fewer CTAs
+          per SM) than dequantizing after the wait.
+        """
+        if hidden % K_STEP:
+            raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: "
+                             f"it must be a multiple of {K_STEP} (one 64-value step per quad); "
+                             "pad the hidden size")
+        rows = 16 if head_dim <= 64 else 32
+        cluster = head_dim // rows
+        if cluster > MAX_CLUSTER:
+            raise ValueError(f"head_dim = {head_dim} needs {cluster} CTAs of {rows} rows per head, "
+                             f"over the portable cluster limit of {MAX_CLUSTER}")
+        warps = 8
+        per_warp = -(-(hidden // K_STEP) // warps)
+        prefetch = max(1, min(per_warp, PREFETCH_REG_BUDGET // cls.regs_per_step(weight_format, rows // 16)))
+        return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch)

@@ -1,0 +1,371 @@
+"""Host side of the fused QKV step: (fused_add_)rms_norm, then the QKV GEMV
+with per-head q/k RMSNorm, NeoX RoPE and the paged KV-cache write.
+
+    q, residual_out = op(x, residual, norm_weight, weight, weight_scale, global_scale,
+                         q_norm_weight, k_norm_weight, cos_sin_cache, positions,
+                         k_cache, v_cache, slot_mapping, bias=None, eps=None, qk_eps=None)
+
+Shapes (per tensor-parallel rank; D = head_dim, N = (q_heads + 2 kv_heads) D):
+
+    x, residual      [M, hidden] bf16, M <= 8 (residual None on the first layer:
+                     residual_out is then x itself)
+    norm_weight      [hidden] bf16
+    weight           bf16 [N, hidden], or NVFP4 packed uint8 [N, hidden/2]
+    weight_scale     NVFP4 only: e4m3 (or its uint8 view) [roundup(N,128), roundup(hidden/16,4)],
+                     128x4-swizzled (see flintgen.device.nvfp4 / flintgen.quant)
+    global_scale     NVFP4 only: fp32, one element (ModelOpt weight_scale_2; multiplies)
+    q/k_norm_weight  [D] bf16 (spec.qk_norm), else None
+    cos_sin_cache    [max_pos, D] fp32, cos | sin (spec.rope_style 'neox'), else None
+    positions        [M] int64, each < max_pos (checked under FLINTGEN_CHECK_INPUTS=1)
+    k_cache, v_cache [blocks, block_size, kv_heads, D] bf16 views with equal strides,
+                     last stride 1 (e.g. flint's HND cache[..., :D].transpose(1, 2))
+    slot_mapping     [<= M] int64; negative slots and tokens past its length are not written
+    bias             [N] bf16 when spec.qkv_bias, added in fp32
+
+Returns q [M, q_heads D] bf16 and the new residual.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from flintgen.configs.qkv_config import QKVConfig
+from flintgen.kernels import checks
+from flintgen.kernels.base import KernelDef, Loader, Target, Variant
+from flintgen.spec import MAX_TOKENS_LIMIT, Spec
+
+_PARAM_KEYS = ("hidden", "q_heads", "kv_heads", "head_dim", "weight_format", "bias", "rope",
+               "qk_norm", "debug", "rows", "cluster", "warps", "prefetch", "early_dequant")
+
+
+def _roundup(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class QKVDef(KernelDef):
+    name = "qkv"
+    template = "qkv_gemv.py.j2"
+    description = ("fused QKV GEMV (bf16 / NVFP4, M <= 8) with q/k RMSNorm, NeoX RoPE and the "
+                   "paged KV-cache write; clusters per head, DSMEM, PDL")
+    # What the design needs in every variant's PTX (tests/test_compile.py).
+    required_ptx = (
+        "griddepcontrol.launch_dependents", "griddepcontrol.wait",
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32",
+        "st.shared::cluster.v4.u32",
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+    )
+
+    def config(self, spec: Spec) -> QKVConfig:
+        return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format)
+
+    def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | None = None) -> Variant:
+        """The binary for ``spec``; ``debug`` adds the pre-norm output; ``config``
+        overrides the heuristic (benchmark sweeps)."""
+        cfg = config or self.config(spec)
+        return Variant.of(
+            self.name, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
+            kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim,
+            weight_format=spec.weight_format, bias=spec.qkv_bias,
+            rope=spec.rope_style != "none", qk_norm=spec.qk_norm, debug=debug,
+            rows=cfg.rows, cluster=cfg.cluster, warps=cfg.warps, prefetch=cfg.prefetch,
+            early_dequant=cfg.early_dequant and spec.weight_format == "nvfp4",
+        )
+
+    def variants(self, spec: Spec, target: Target) -> list[Variant]:
+        # The debug variant (pre-norm rows) is built on demand only.
+        return [self.variant(spec)]
+
+    def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
+        p = dict(variant.params)
+        missing = [k for k in _PARAM_KEYS if k not in p]
+        if missing:
+            raise ValueError(f"qkv variant {variant.name} lacks parameters {missing}")
+        n_rows = (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"]
+        return {
+            "hidden": p["hidden"], "q_heads": p["q_heads"], "kv_heads": p["kv_heads"],
+            "head_dim": p["head_dim"], "n_rows": n_rows, "weight_format": p["weight_format"],
+            "is_nvfp4": p["weight_format"] == "nvfp4", "has_bias": p["bias"], "has_rope": p["rope"],
+            "has_qk_norm": p["qk_norm"], "debug": p["debug"], "rows": p["rows"],
+            "cluster": p["cluster"], "warps": p["warps"], "prefetch": p["prefetch"],
+            "early_dequant": p["early_dequant"],
+            "scale_rows": _roundup(n_rows, 128), "scale_cols": _roundup(p["hidden"] // 16, 4),
+        }
+
+    def bind(self, spec: Spec, target: Target, load: Loader) -> "QKVOp":
+        return QKVOp(self, spec, target, load)
+
+
+class QKVOp:
+    """The composed QKV step (RMSNorm kernel + GEMV kernel, chained with PDL).
+
+    ``op(...)`` as in the module docstring. Keyword-only outputs for buffer
+    reuse: ``q_out`` [M, q_heads D], ``xn_out`` (the normalized activations,
+    [M, hidden]), ``residual_out`` (may be ``residual``: in-place update);
+    ``pre_norm_out`` [M, N] bf16 selects the debug binary, which also writes
+    the GEMV's rows before q/k norm and RoPE. ``config`` overrides the launch
+    heuristic (tests and benchmark sweeps).
+    """
+
+    name = "qkv"
+
+    def __init__(self, kdef: QKVDef, spec: Spec, target: Target, load: Loader,
+                 config: QKVConfig | None = None):
+        self.spec = spec
+        self.target = target
+        self._def = kdef
+        self._load = load
+        self._variant = kdef.variant(spec, config=config)
+        self._debug_variant = kdef.variant(spec, debug=True, config=config)
+        self._norm = None
+        h = spec.head_dim
+        self.hidden = spec.hidden_size
+        self.head_dim = h
+        self.q_heads = spec.q_heads_per_rank
+        self.kv_heads = spec.kv_heads_per_rank
+        self.n_rows = spec.qkv_out_features
+        self.is_nvfp4 = spec.weight_format == "nvfp4"
+        self.rope = spec.rope_style != "none"
+        self.max_tokens = spec.max_tokens
+
+    # ------------------------------------------------------------------ helpers
+    def norm_op(self):
+        """The spec's RMSNorm op, loaded for the same target as this op."""
+        if self._norm is None:
+            from flintgen.kernels import get_def
+            from flintgen.runtime import load_variant
+
+            rms = get_def("rms_norm")
+            spec, target = self.spec, self.target
+            self._norm = rms.bind(spec, target, lambda v: load_variant(rms, spec, v, target)[0])
+        return self._norm
+
+    def variants(self) -> list[Variant]:
+        return [self._variant]
+
+    # ------------------------------------------------------------------ validation
+    def _check_m(self, x) -> int:
+        import torch
+
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must have shape [M, {self.hidden}] (M tokens x hidden), got {tuple(x.shape)}")
+        m = x.shape[0]
+        limit = min(self.max_tokens, MAX_TOKENS_LIMIT)
+        if m > limit:
+            raise ValueError(
+                f"M = {m} tokens exceeds the fused QKV limit of {limit} (spec.max_tokens = "
+                f"{self.max_tokens}; the cluster GEMV holds at most {MAX_TOKENS_LIMIT} token rows): "
+                f"split the batch into chunks of <= {limit} tokens, or use an unfused path for "
+                "large M (rms_norm + a GEMM such as torch.nn.functional.linear on the "
+                "dequantized weight, then q/k norm, RoPE and the cache write)")
+        if m == 0:
+            raise ValueError("x has M = 0 tokens: nothing to compute (skip the call)")
+        return m
+
+    def _validate(self, x, residual, norm_weight, weight, weight_scale, global_scale,
+                  q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
+                  slot_mapping, bias, q_out, xn_out, residual_out, pre_norm_out):
+        """Every check that needs no device: dtypes, shapes, strides, then
+        devices last (so a CPU tensor gets 'must be on a CUDA device')."""
+        import torch
+
+        m = self._check_m(x)
+        h, d, n = self.hidden, self.head_dim, self.n_rows
+        T = []  # (name, tensor) to device-check
+
+        def want(name, t, dtype, shape, contiguous=True, align=16):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+                raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+            if shape is not None and tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+            if contiguous and not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (strides {t.stride()}): call .contiguous()")
+            if align and t.numel() and t.data_ptr() % align:
+                raise ValueError(f"{name} must be {align}-byte aligned: pass a fresh allocation or .clone() it")
+            T.append((name, t))
+            return t
+
+        def absent(name, t, why):
+            if t is not None:
+                raise ValueError(f"{name} must be None: {why}")
+
+        want("x", x, torch.bfloat16, (m, h))
+        if residual is not None:
+            want("residual", residual, torch.bfloat16, (m, h))
+        want("norm_weight", norm_weight, torch.bfloat16, (h,))
+        if self.is_nvfp4:
+            want("weight", weight, (torch.uint8,), (n, h // 2))
+            if weight_scale is None:
+                raise ValueError("weight_scale is required for NVFP4 weights (e4m3 block scales, "
+                                 "128x4-swizzled): see flintgen.quant.quantize_nvfp4")
+            want("weight_scale", weight_scale, (torch.float8_e4m3fn, torch.uint8),
+                 (_roundup(n, 128), _roundup(h // 16, 4)))
+            if global_scale is None:
+                raise ValueError("global_scale is required for NVFP4 weights (fp32 weight_scale_2)")
+            want("global_scale", global_scale, torch.float32, None, align=4)
+            if global_scale.numel() != 1:
+                raise ValueError(f"global_scale must hold one fp32 value, got shape {tuple(global_scale.shape)}")
+        else:
+            want("weight", weight, torch.bfloat16, (n, h))
+            absent("weight_scale", weight_scale, "the spec's weights are bf16 (weight_format='bf16')")
+            absent("global_scale", global_scale, "the spec's weights are bf16 (weight_format='bf16')")
+        if self.spec.qk_norm:
+            want("q_norm_weight", q_norm_weight, torch.bfloat16, (d,))
+            want("k_norm_weight", k_norm_weight, torch.bfloat16, (d,))
+        else:
+            absent("q_norm_weight", q_norm_weight, "the spec has qk_norm=False")
+            absent("k_norm_weight", k_norm_weight, "the spec has qk_norm=False")
+        if self.rope:
+            if cos_sin_cache is None:
+                raise ValueError(f"cos_sin_cache [max_pos, {d}] fp32 is required (rope_style="
+                                 f"{self.spec.rope_style!r}): build it with flintgen.quant.rope_table")
+            want("cos_sin_cache", cos_sin_cache, torch.float32, None)
+            if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.shape[0] < 1:
+                raise ValueError(f"cos_sin_cache must have shape [max_pos, {d}] (cos | sin), "
+                                 f"got {tuple(cos_sin_cache.shape)}")
+        else:
+            absent("cos_sin_cache", cos_sin_cache, "the spec has rope_style='none'")
+        want("positions", positions, torch.int64, (m,), align=8)
+        want("slot_mapping", slot_mapping, torch.int64, None, align=8)
+        if slot_mapping.dim() != 1 or slot_mapping.shape[0] > m:
+            raise ValueError(f"slot_mapping must be 1-D with at most M = {m} entries, got shape "
+                             f"{tuple(slot_mapping.shape)}")
+        self._check_cache(k_cache, v_cache)
+        T += [("k_cache", k_cache), ("v_cache", v_cache)]
+        if self.spec.qkv_bias:
+            if bias is None:
+                raise ValueError(f"bias [{n}] bf16 is required: the spec has qkv_bias=True")
+            want("bias", bias, torch.bfloat16, (n,))
+        else:
+            absent("bias", bias, "the spec has qkv_bias=False")
+        if q_out is not None:
+            want("q_out", q_out, torch.bfloat16, (m, self.q_heads * d))
+        if xn_out is not None:
+            want("xn_out", xn_out, torch.bfloat16, (m, h))
+        if residual_out is not None:
+            if residual is None:
+                raise ValueError("residual_out was given without residual: on the first layer the "
+                                 "new residual is x itself; drop residual_out")
+            want("residual_out", residual_out, torch.bfloat16, (m, h))
+        if pre_norm_out is not None:
+            want("pre_norm_out", pre_norm_out, torch.bfloat16, (m, n))
+        dev = None
+        for name, t in T:
+            if t.device.type != "cuda":
+                raise ValueError(f"{name} must be on a CUDA device, got {t.device}: move it with .cuda()")
+            if dev is None:
+                dev = t.device
+            elif t.device != dev:
+                raise ValueError(f"{name} is on {t.device} but x is on {dev}: put every input on one device")
+        return m
+
+    def _check_cache(self, k_cache, v_cache) -> None:
+        import torch
+
+        kv, d = self.kv_heads, self.head_dim
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(c, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
+            if c.dtype != torch.bfloat16:
+                raise TypeError(f"{name} must be torch.bfloat16 (spec kv_cache_dtype 'bf16'), got {c.dtype}")
+            if c.dim() != 4 or c.shape[2] != kv or c.shape[3] != d:
+                raise ValueError(f"{name} must be a [blocks, block_size, {kv}, {d}] view "
+                                 f"(kv_heads per rank, head_dim), got shape {tuple(c.shape)}")
+            if c.stride(3) != 1 or any(s % 8 for s in c.stride()[:3]):
+                raise ValueError(f"{name} strides {c.stride()} are not supported: the last must be 1 and "
+                                 "the others multiples of 8 elements (16 bytes)")
+            if c.data_ptr() % 16:
+                raise ValueError(f"{name} must start 16-byte aligned")
+        if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.stride() != v_cache.stride():
+            raise ValueError(f"k_cache and v_cache must have equal shapes and strides, got "
+                             f"{tuple(k_cache.shape)}/{k_cache.stride()} and "
+                             f"{tuple(v_cache.shape)}/{v_cache.stride()}")
+
+    def _check_device_contracts(self, positions, cos_sin_cache, slot_mapping, k_cache) -> None:
+        """FLINTGEN_CHECK_INPUTS=1: sync and check the device-side contracts."""
+        pos = positions.cpu()
+        if self.rope:
+            max_pos = cos_sin_cache.shape[0]
+            bad = (pos < 0) | (pos >= max_pos)
+            if bool(bad.any()):
+                raise ValueError(f"positions {pos[bad].tolist()} are outside [0, max_pos = {max_pos}) "
+                                 "of cos_sin_cache: build a longer table")
+        slots = slot_mapping.cpu()
+        cap = k_cache.shape[0] * k_cache.shape[1]
+        bad = slots >= cap
+        if bool(bad.any()):
+            raise ValueError(f"slot_mapping values {slots[bad].tolist()} are >= blocks x block_size = {cap}")
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, x, residual, norm_weight, weight, weight_scale, global_scale,
+                 q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
+                 slot_mapping, bias=None, eps: float | None = None, qk_eps: float | None = None, *,
+                 q_out=None, xn_out=None, residual_out=None, pre_norm_out=None):
+        import torch
+
+        m = self._validate(x, residual, norm_weight, weight, weight_scale, global_scale,
+                           q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
+                           slot_mapping, bias, q_out, xn_out, residual_out, pre_norm_out)
+        eps = self.spec.rms_eps if eps is None else checks.positive_float("eps", eps)
+        qk_eps = self.spec.rms_eps if qk_eps is None else checks.positive_float("qk_eps", qk_eps)
+        from flintgen.knobs import knobs
+
+        if knobs.check_inputs:
+            self._check_device_contracts(positions, cos_sin_cache, slot_mapping, k_cache)
+
+        xn = xn_out if xn_out is not None else torch.empty_like(x)
+        norm = self.norm_op()
+        if residual is None:
+            norm(x, norm_weight, eps, out=xn)
+            res_out = x
+        else:
+            _, res_out = norm(x, norm_weight, eps, residual, out=xn, residual_out=residual_out)
+        q = q_out if q_out is not None else torch.empty(m, self.q_heads * self.head_dim,
+                                                         dtype=torch.bfloat16, device=x.device)
+        args = [xn, weight]
+        if self.is_nvfp4:
+            args += [weight_scale.view(torch.uint8), global_scale.reshape(1)]
+        if self.spec.qkv_bias:
+            args.append(bias)
+        if self.spec.qk_norm:
+            args += [q_norm_weight, k_norm_weight]
+        if self.rope:
+            args += [cos_sin_cache, positions]
+        args += [slot_mapping, q, k_cache, v_cache]
+        if pre_norm_out is not None:
+            args.append(pre_norm_out)
+        if self.spec.qk_norm:
+            args.append(qk_eps)
+        fn = self._load(self._debug_variant if pre_norm_out is not None else self._variant)
+        fn(*args)
+        return q, res_out
+
+    def warmup(self, device) -> None:
+        """Load both kernels and run the GEMV once on zero-filled inputs (module
+        load happens on the first call, which must precede a graph capture)."""
+        import torch
+
+        from flintgen.quant import rope_table
+
+        dev = torch.device(device)
+        h, d, n = self.hidden, self.head_dim, self.n_rows
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        x = torch.zeros(1, h, **bf)
+        if self.is_nvfp4:
+            w = torch.zeros(n, h // 2, dtype=torch.uint8, device=dev)
+            ws = torch.zeros(_roundup(n, 128), _roundup(h // 16, 4), dtype=torch.uint8, device=dev)
+            gs = torch.ones(1, dtype=torch.float32, device=dev)
+        else:
+            w, ws, gs = torch.zeros(n, h, **bf), None, None
+        nw = torch.ones(d, **bf) if self.spec.qk_norm else None
+        cs = rope_table(self.spec, 1, dev) if self.rope else None
+        cache = torch.zeros(1, 16, self.kv_heads, d, **bf)
+        pos = torch.zeros(1, dtype=torch.int64, device=dev)
+        slots = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        b = torch.zeros(n, **bf) if self.spec.qkv_bias else None
+        self(x, None, torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b)
+        self(x, x.clone(), torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b)

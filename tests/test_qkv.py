@@ -1,0 +1,609 @@
+"""Fused QKV step: NVFP4 layout and quantizer, validation (any machine), the
+compiled variants (compile marker), numerics, cache writes, PDL chains and
+composition with decode attention (GPU).
+
+Numerics checked on the GPU, on fresh random inputs with poisoned outputs:
+* residual_out bit-exact against torch's bf16 add;
+* every pre-norm row (debug binary) within 1 bf16 ulp of the fp64 product of
+  the same dequantized weights (+ bias), plus a floor of 2^-17 sum|x w| where
+  fp32 accumulation cannot resolve a cancellation;
+* q and k within 1 bf16 ulp of an fp32 q/k-norm + RoPE of the kernel's own
+  pre-norm rows (floor 2^-19 (|a| + |b|) for RoPE's a - b cancellations);
+* v bit-equal to its pre-norm rows; untouched cache slots keep their poison.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+import flintgen
+from flintgen import quant
+from flintgen.configs.qkv_config import QKVConfig
+from flintgen.kernels.base import Target
+from flintgen.kernels.qkv import QKVDef
+from flintgen.presets import FLINT
+from flintgen.references.qkv import bf16_ulp, gemv_ref, qk_norm_rope_ref, within_ulp
+
+KDEF = QKVDef()
+T132 = Target("sm_90a", 132)
+CUDA = torch.cuda.is_available()
+
+SPECS = {
+    "flint": FLINT,
+    "flint_bf16": FLINT.replace(weight_format="bf16"),
+    "flint_norope": FLINT.replace(rope_style="none"),
+    "flint_nonorm": FLINT.replace(qk_norm=False),
+    "bf16_4096": FLINT.replace(hidden_size=4096, num_kv_heads=8, weight_format="bf16", sliding_window=None,
+                               layer_types=("full",), sinks=False),
+    "oss_nvfp4": FLINT.replace(hidden_size=2880, num_q_heads=64, num_kv_heads=8, head_dim=64, qkv_bias=True,
+                               qk_norm=False),
+    "oss_bf16": FLINT.replace(hidden_size=2880, num_q_heads=64, num_kv_heads=8, head_dim=64, qkv_bias=True,
+                              qk_norm=False, weight_format="bf16"),
+    "d256": FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rope_style="none"),
+}
+
+
+def _f32(bits16: int) -> float:
+    """Value of a bf16 bit pattern (Python float, subnormals included)."""
+    return struct.unpack("<f", struct.pack("<I", (bits16 & 0xFFFF) << 16))[0]
+
+
+# ============================================================== NVFP4 layout (CPU)
+# A hand-built 2 x 64 NVFP4 matrix: rows 0 and 1, 4 scale blocks each.
+# e2m1 codes: 0x1 = 0.5 (subnormal), 0x7 = 6, 0x9 = -0.5, 0xF = -6, 0x3 = 1.5, 0xA = -1.
+# e4m3 scales: 0x38 = 1.0, 0x40 = 2.0, 0x01 = 2^-9 (subnormal), 0x7E = 448.
+HAND_SCALES = [[0x38, 0x40, 0x01, 0x7E], [0x7E, 0x01, 0x40, 0x38]]
+HAND_GS = 0.5
+
+
+def _hand_codes():
+    """[2, 64] codes: block b of row r repeats a pattern of 16 codes."""
+    pats = [[0x1, 0x7, 0x9, 0xF, 0x3, 0xA, 0x0, 0x8] * 2,
+            [0x2, 0x4, 0x5, 0x6, 0xC, 0xD, 0xE, 0xB] * 2]
+    rows = []
+    for r in range(2):
+        row = []
+        for b in range(4):
+            row += pats[(r + b) % 2]
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.uint8)
+
+
+def _hand_expected():
+    """Worked out by hand: e2m1 value x e4m3 scale x 0.5 for every element."""
+    e2m1 = {0x0: 0.0, 0x1: 0.5, 0x2: 1.0, 0x3: 1.5, 0x4: 2.0, 0x5: 3.0, 0x6: 4.0, 0x7: 6.0,
+            0x8: -0.0, 0x9: -0.5, 0xA: -1.0, 0xB: -1.5, 0xC: -2.0, 0xD: -3.0, 0xE: -4.0, 0xF: -6.0}
+    e4m3 = {0x38: 1.0, 0x40: 2.0, 0x01: 2.0 ** -9, 0x7E: 448.0}
+    codes = _hand_codes()
+    out = torch.empty(2, 64, dtype=torch.float64)
+    for r in range(2):
+        for k in range(64):
+            out[r, k] = e2m1[int(codes[r, k])] * e4m3[HAND_SCALES[r][k // 16]] * HAND_GS
+    return out
+
+
+def _hand_nvfp4():
+    codes = _hand_codes()
+    packed = quant.pack_nibbles(codes)
+    scales = torch.tensor(HAND_SCALES, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return packed, quant.swizzle_scales(scales)
+
+
+def test_hand_built_nvfp4_dequantizes_to_hand_values():
+    packed, sw = _hand_nvfp4()
+    # even k in the low nibble: byte 0 of row 0 holds codes k=0 (0x1) and k=1 (0x7)
+    assert packed[0, 0].item() == 0x71 and packed[0, 1].item() == 0xF9
+    assert tuple(sw.shape) == (128, 4)   # 2 rows padded to 128, 4 columns (no column padding)
+    got = quant.dequantize_nvfp4(packed, sw, torch.tensor(HAND_GS), dtype=torch.float64)
+    exp = _hand_expected()
+    assert torch.equal(got, exp)
+    # a few by hand (code value x scale x 0.5):
+    assert exp[0, 0] == 0.5 * 1.0 * 0.5            # 0x1 in block 0 of row 0 (scale 0x38 = 1)
+    assert exp[0, 3] == -6.0 * 1.0 * 0.5           # 0xF
+    assert exp[1, 3] == 4.0 * 448.0 * 0.5 == 896   # row 1, block 0: 0x6, scale 0x7E = 448
+    assert exp[0, 32] == 0.5 * 2.0 ** -9 * 0.5     # subnormal code x subnormal scale 0x01
+    assert exp[1, 17] == 6.0 * 2.0 ** -9 * 0.5     # row 1, block 1: 0x7, scale 0x01
+    assert exp[0, 61] == -3.0 * 448.0 * 0.5        # row 0, block 3: 0xD, scale 0x7E
+
+
+def test_swizzle_layout_positions_and_padding():
+    n, k = 200, 80                      # 200 rows -> 256; 5 scale columns -> 8
+    lin = torch.arange(n * (k // 16), dtype=torch.int32).remainder(251).add(1).to(torch.uint8).view(n, k // 16)
+    sw = quant.swizzle_scales(lin)
+    assert tuple(sw.shape) == (256, 8)
+    flat = sw.flatten()
+    for r in (0, 1, 8, 31, 32, 100, 127, 128, 199):
+        for c in range(k // 16):
+            assert flat[quant.scale_offset(r, c, 8)] == lin[r, c], (r, c)
+    assert int(sw.sum()) == int(lin.to(torch.int64).sum())      # padding is zero
+    assert torch.equal(quant.unswizzle_scales(sw, n, k), lin)
+    # row r and r + 8 of one 32-row group are 128 bytes apart (the kernel relies on it)
+    assert quant.scale_offset(8, 1, 8) - quant.scale_offset(0, 1, 8) == 128
+
+
+def test_quantizer_roundtrip_error_bound():
+    torch.manual_seed(0)
+    w = torch.randn(256, 128) * 0.02
+    w[3] *= 3e-5                        # tiny rows: subnormal e4m3 scales
+    packed, sw, gs = quant.quantize_nvfp4(w)
+    deq = quant.dequantize_nvfp4(packed, sw, gs, dtype=torch.float64)
+    sc = quant.unswizzle_scales(sw, 256, 128).float().double() * float(gs)
+    step = sc.repeat_interleave(16, dim=1) * 2          # widest e2m1 gap is 2 (4 -> 6)
+    assert ((deq - w.double()).abs() <= step / 2 + 1e-12).all()
+    assert (quant.unswizzle_scales(sw, 256, 128).view(torch.uint8)[3] < 8).any()   # subnormal scales occur
+    codes = quant.unpack_nibbles(packed)
+    assert torch.equal(quant.e2m1_encode(quant.e2m1_decode(codes)) & 7, codes & 7)
+
+
+def test_e2m1_encode_ties_to_even():
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, -0.1])
+    assert quant.e2m1_decode(quant.e2m1_encode(x)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0,
+                                                                -1.0, -0.0]
+
+
+def _pattern_model(q: int):
+    """Python model of nvfp4.e2m1x8_to_bf16x2 (same constants as the PTX)."""
+    h = q >> 8
+    out = []
+    for src, mask, mul in ((q, 0x000F000F, 4160), (q, 0x00F000F0, 260), (h, 0x000F000F, 4160),
+                           (h, 0x00F000F0, 260)):
+        out.append((((src & mask) * mul) & 0xFFFFFFFF) & 0x81C081C0)
+    return out
+
+
+def test_register_dequant_model_is_exact():
+    """The bit tricks of flintgen.device.nvfp4, modelled on the CPU: patterns
+    are 2^-126 e2m1, bf16(e4m3 * 2^118) is exact, and their product e2m1 *
+    e4m3 * 2^-8 is a bf16 normal (so HMUL2's rounding is exact)."""
+    e2m1 = [float(v) for v in quant.e2m1_decode(torch.arange(16, dtype=torch.uint8))]
+    words = [sum(((i + j) % 16) << (4 * j) for j in range(8)) for i in range(16)]
+    for q in words:
+        regs = _pattern_model(q)
+        for i in range(4):
+            assert _f32(regs[i]) == 2.0 ** -126 * e2m1[(q >> 4 * i) & 15]
+            assert _f32(regs[i] >> 16) == 2.0 ** -126 * e2m1[(q >> 4 * (i + 4)) & 15]
+    codes = torch.arange(256, dtype=torch.uint8)
+    fin = codes[(codes & 0x7F) != 0x7F]                      # 0x7F / 0xFF are NaN
+    s = fin.view(torch.float8_e4m3fn).double()
+    s118 = s * 2.0 ** 118
+    assert torch.equal(s118.float().bfloat16().double(), s118)              # exact in bf16
+    for v in e2m1[:8]:
+        prod = v * s * 2.0 ** -8
+        nz = prod != 0
+        assert torch.equal(prod.float().bfloat16().double(), prod)          # exact product
+        assert (prod[nz].abs() >= 2.0 ** -126).all()                        # never subnormal
+
+
+# ============================================================== config (CPU)
+def test_config_heuristic():
+    assert QKVConfig.from_heuristic(2048, 128, "nvfp4") == QKVConfig(32, 4, 8, 4)
+    assert QKVConfig.from_heuristic(4096, 128, "bf16") == QKVConfig(32, 4, 8, 2)
+    assert QKVConfig.from_heuristic(2048, 256, "nvfp4") == QKVConfig(32, 8, 8, 4)
+    assert QKVConfig.from_heuristic(2880, 64, "nvfp4") == QKVConfig(16, 4, 8, 6)
+    assert QKVConfig.from_heuristic(2880, 64, "bf16").cluster == 4
+    with pytest.raises(ValueError, match="hidden_size = 2064 .* multiple of 64"):
+        QKVConfig.from_heuristic(2064, 128, "bf16")
+    with pytest.raises(ValueError, match="cluster = 16 is outside 1..8"):
+        QKVConfig(16, 16, 4, 4)
+
+
+def test_variant_names_every_code_path():
+    v = KDEF.variant(FLINT)
+    assert (v["weight_format"], v["rope"], v["qk_norm"], v["bias"], v["debug"]) == ("nvfp4", True, True, False, False)
+    assert KDEF.variant(SPECS["oss_bf16"])["bias"] is True
+    assert KDEF.variants(FLINT, T132) == [v]          # the debug binary is built on demand only
+
+
+# ============================================================== validation (CPU)
+def _op(spec=FLINT):
+    def load(v):
+        raise AssertionError("validation must fail before loading")
+
+    return KDEF.bind(spec, T132, load)
+
+
+def _cpu_args(spec=FLINT, m=2, device="cpu"):
+    h, d, n = spec.hidden_size, spec.head_dim, spec.qkv_out_features
+    bf = dict(dtype=torch.bfloat16, device=device)
+    kv = spec.kv_heads_per_rank
+    a = dict(x=torch.zeros(m, h, **bf), residual=torch.zeros(m, h, **bf), norm_weight=torch.ones(h, **bf))
+    if spec.weight_format == "nvfp4":
+        a.update(weight=torch.zeros(n, h // 2, dtype=torch.uint8, device=device),
+                 weight_scale=torch.zeros(-(-n // 128) * 128, -(-(h // 16) // 4) * 4, dtype=torch.uint8,
+                                          device=device),
+                 global_scale=torch.ones(1, device=device))
+    else:
+        a.update(weight=torch.zeros(n, h, **bf), weight_scale=None, global_scale=None)
+    a.update(q_norm_weight=torch.ones(d, **bf) if spec.qk_norm else None,
+             k_norm_weight=torch.ones(d, **bf) if spec.qk_norm else None,
+             cos_sin_cache=torch.zeros(64, d, device=device) if spec.rope_style != "none" else None,
+             positions=torch.zeros(m, dtype=torch.int64, device=device),
+             k_cache=torch.zeros(4, 16, kv, d, **bf), v_cache=torch.zeros(4, 16, kv, d, **bf),
+             slot_mapping=torch.zeros(m, dtype=torch.int64, device=device),
+             bias=torch.zeros(n, **bf) if spec.qkv_bias else None)
+    return a
+
+
+def test_rejects_cpu_tensors():
+    with pytest.raises(ValueError, match="x must be on a CUDA device, got cpu"):
+        _op()(**_cpu_args())
+
+
+def test_rejects_more_than_8_tokens():
+    with pytest.raises(ValueError, match=r"M = 9 tokens exceeds the fused QKV limit of 8 .* split the batch"):
+        _op()(**_cpu_args(m=9))
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(x=torch.zeros(2, 2048)), TypeError, "x must be torch.bfloat16"),
+    (dict(x=torch.zeros(2, 1024, dtype=torch.bfloat16)), ValueError, r"x must have shape \[M, 2048\]"),
+    (dict(weight=torch.zeros(5120, 2048, dtype=torch.uint8)), ValueError, r"weight must have shape \(5120, 1024\)"),
+    (dict(weight_scale=None), ValueError, "weight_scale is required for NVFP4"),
+    (dict(weight_scale=torch.zeros(5120, 64, dtype=torch.uint8)), ValueError,
+     r"weight_scale must have shape \(5120, 128\), got \(5120, 64\)"),
+    (dict(global_scale=torch.ones(2)), ValueError, "global_scale must hold one fp32 value"),
+    (dict(positions=torch.zeros(2, dtype=torch.int32)), TypeError, "positions must be torch.int64"),
+    (dict(slot_mapping=torch.zeros(3, dtype=torch.int64)), ValueError, "at most M = 2 entries"),
+    (dict(cos_sin_cache=None), ValueError, "cos_sin_cache .* is required"),
+    (dict(cos_sin_cache=torch.zeros(64, 64)), ValueError, r"cos_sin_cache must have shape \[max_pos, 128\]"),
+    (dict(bias=torch.zeros(5120, dtype=torch.bfloat16)), ValueError, "bias must be None: the spec has qkv_bias=False"),
+    (dict(k_cache=torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)), ValueError, r"k_cache must be a \[blocks, block_size, 4, 128\]"),
+    (dict(v_cache=torch.zeros(4, 16, 4, 256, dtype=torch.bfloat16)[..., :128]), ValueError,
+     "v_cache strides|k_cache and v_cache must have equal"),
+    (dict(k_cache=torch.zeros(4, 16, 4, 128)), TypeError, "k_cache must be torch.bfloat16"),
+])
+def test_rejections_name_the_argument(change, exc, match):
+    a = _cpu_args()
+    a.update(change)
+    with pytest.raises(exc, match=match):
+        _op()(**a)
+
+
+def test_bf16_spec_rejects_nvfp4_arguments():
+    spec = SPECS["oss_bf16"]
+    a = _cpu_args(spec)
+    a["weight_scale"] = torch.zeros(1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"weight_scale must be None: .*weight_format='bf16'"):
+        _op(spec)(**a)
+    a = _cpu_args(spec)
+    a["bias"] = None
+    with pytest.raises(ValueError, match=r"bias \[5120\] bf16 is required"):
+        _op(spec)(**a)
+
+
+def test_residual_out_without_residual():
+    a = _cpu_args()
+    a["residual"] = None
+    with pytest.raises(ValueError, match="residual_out was given without residual"):
+        _op()(**a, residual_out=torch.zeros(2, 2048, dtype=torch.bfloat16))
+
+
+# ============================================================== compiled variants
+COMPILE_CASES = ["flint", "flint_bf16", "flint_norope", "bf16_4096", "oss_nvfp4", "oss_bf16", "d256"]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", COMPILE_CASES + ["flint-debug"])
+def test_variant_compiles_clean(name):
+    from flintgen import cache
+    from flintgen.runtime import load_variant
+
+    spec = SPECS[name.split("-")[0]]
+    v = KDEF.variant(spec, debug=name.endswith("debug"))
+    load_variant(KDEF, spec, v, T132)
+    entry = cache.make_entry(v, KDEF.template, dict(KDEF.render_params(spec, v)), T132)
+    res = cache.read_meta(entry)["resources"]
+    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
+    assert res["stack_bytes"] == 0 and not res["local_memory"], res
+    assert res["registers"] <= 128, res            # 3 CTAs of 128 threads per SM
+    ptx = open(entry.path("kernel.ptx")).read()
+    missing = [p for p in KDEF.required_ptx if p not in ptx]
+    assert not missing, missing
+    fp4 = ("cvt.rn.f16x2.e4m3x2", "mul.rn.bf16x2")
+    assert all(p in ptx for p in fp4) == (spec.weight_format == "nvfp4")
+    wait = ptx.index("griddepcontrol.wait")
+    # Weights are requested before the grid-dependency wait (they stream while
+    # RMSNorm runs); nothing is written to global memory before it.
+    assert ptx.index("ld.global.L1::no_allocate") < wait
+    assert "st.global" not in ptx[:wait]
+    assert ptx.index("cp.async.bulk.shared::cluster.global") > wait
+
+
+# ============================================================== GPU helpers
+def _nvfp4_weight(n, h, gen, device):
+    w = torch.randn(n, h, generator=gen) * 0.02
+    w[::37] *= 3e-5                                  # rows with subnormal e4m3 scales
+    packed, sw, gs = quant.quantize_nvfp4(w)
+    deq = quant.dequantize_nvfp4(packed, sw, gs, dtype=torch.float64)
+    return packed.to(device), sw.to(device), gs.reshape(1).to(device), deq
+
+
+class Case:
+    """Random inputs of one spec and M, poisoned outputs, and the checks."""
+
+    def __init__(self, spec, m, *, seed=0, residual=True, n_slots=None, hnd=False, max_pos=4096):
+        dev = torch.device("cuda")
+        gen = torch.Generator().manual_seed(seed)
+        self.spec, self.m = spec, m
+        h, d, n = spec.hidden_size, spec.head_dim, spec.qkv_out_features
+        self.qh, self.kv, self.d = spec.q_heads_per_rank, spec.kv_heads_per_rank, d
+
+        def rnd(*shape, scale=1.0, shift=0.0):
+            return (torch.randn(*shape, generator=gen) * scale + shift).bfloat16().to(dev)
+
+        self.x = rnd(m, h)
+        self.residual = rnd(m, h) if residual else None
+        self.norm_weight = rnd(h, scale=0.2, shift=1.0)
+        if spec.weight_format == "nvfp4":
+            self.weight, self.weight_scale, self.global_scale, self.w_ref = _nvfp4_weight(n, h, gen, dev)
+        else:
+            self.weight = rnd(n, h, scale=0.02)
+            self.weight_scale = self.global_scale = None
+            self.w_ref = self.weight.double().cpu()
+        self.bias = rnd(n, scale=0.5) if spec.qkv_bias else None
+        self.q_norm = rnd(d, scale=0.3, shift=1.0) if spec.qk_norm else None
+        self.k_norm = rnd(d, scale=0.3, shift=1.0) if spec.qk_norm else None
+        self.rope = spec.rope_style != "none"
+        self.cos_sin = quant.rope_table(spec, max_pos, dev) if self.rope else None
+        self.positions = torch.randint(0, max_pos, (m,), generator=gen).to(dev)
+        blocks, bs = 6, spec.page_size
+        n_slots = m if n_slots is None else n_slots
+        slots = torch.randperm(blocks * bs, generator=gen)[:n_slots]
+        if n_slots > 1:
+            slots[1] = -1                             # a negative slot is skipped
+        self.slots = slots.to(dev)
+        if hnd:                                       # flint's HND cache and its K / V views
+            self.cache = torch.full((blocks, self.kv, bs, 2 * d), float("nan"), dtype=torch.bfloat16, device=dev)
+            self.k_cache = self.cache[..., :d].permute(0, 2, 1, 3)
+            self.v_cache = self.cache[..., d:].permute(0, 2, 1, 3)
+        else:
+            self.k_cache = torch.full((blocks, bs, self.kv, d), float("nan"), dtype=torch.bfloat16, device=dev)
+            self.v_cache = torch.full_like(self.k_cache, float("nan"))
+
+    def poison(self):
+        self.k_cache.fill_(float("nan"))
+        self.v_cache.fill_(float("nan"))
+
+    def args(self):
+        return (self.x, self.residual, self.norm_weight, self.weight, self.weight_scale, self.global_scale,
+                self.q_norm, self.k_norm, self.cos_sin, self.positions, self.k_cache, self.v_cache, self.slots,
+                self.bias)
+
+    def run(self, op, debug=True):
+        n = self.spec.qkv_out_features
+        self.q_out = torch.full((self.m, self.qh * self.d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        self.xn = torch.full_like(self.x, float("nan"))
+        self.pre = torch.full((self.m, n), float("nan"), dtype=torch.bfloat16, device="cuda") if debug else None
+        q, res = op(*self.args(), q_out=self.q_out, xn_out=self.xn, pre_norm_out=self.pre)
+        torch.cuda.synchronize()
+        assert q is self.q_out
+        return q, res
+
+    def check(self, q, res, label):
+        spec, m, d, qh, kv = self.spec, self.m, self.d, self.qh, self.kv
+        if self.residual is None:
+            assert res is self.x
+        else:
+            assert torch.equal(res, self.x + self.residual), f"{label}: residual not bit-exact"
+        assert not self.xn.isnan().any()
+        # GEMV rows against the fp64 product of the same weights
+        ref, absref = gemv_ref(self.xn.cpu(), self.w_ref, None if self.bias is None else self.bias.cpu())
+        pre = self.pre.cpu()
+        assert not pre.isnan().any(), f"{label}: unwritten pre-norm rows"
+        ok = within_ulp(pre, ref, floor=2.0 ** -17 * absref)
+        assert ok.all(), f"{label}: {int((~ok).sum())} GEMV outputs beyond 1 ulp; worst " \
+                         f"{((pre.double() - ref).abs() / bf16_ulp(ref)).max():.2f} ulp"
+        # q: fp32 norm + rope of the kernel's own rows
+        pos = self.positions.cpu()
+        cs = None if self.cos_sin is None else self.cos_sin.cpu()
+        qn = None if self.q_norm is None else self.q_norm.cpu()
+        kn = None if self.k_norm is None else self.k_norm.cpu()
+        eps = spec.rms_eps
+        qref, qmag = qk_norm_rope_ref(pre[:, :qh * d], d, qn, eps, cs, pos)
+        qk = q.cpu()
+        assert not qk.isnan().any(), f"{label}: unwritten q"
+        ok = within_ulp(qk, qref, floor=2.0 ** -19 * qmag)
+        assert ok.all(), f"{label}: {int((~ok).sum())} q elements beyond 1 ulp"
+        kref, kmag = qk_norm_rope_ref(pre[:, qh * d:(qh + kv) * d], d, kn, eps, cs, pos)
+        vref = pre[:, (qh + kv) * d:]
+        kc, vc = self.k_cache.cpu(), self.v_cache.cpu()
+        written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool)
+        bs = kc.shape[1]
+        for t, s in enumerate(self.slots.cpu().tolist()):
+            if s < 0:
+                continue
+            written[s] = True
+            krow, vrow = kc[s // bs, s % bs].reshape(-1), vc[s // bs, s % bs].reshape(-1)
+            ok = within_ulp(krow, kref[t], floor=2.0 ** -19 * kmag[t])
+            assert ok.all(), f"{label}: token {t}: {int((~ok).sum())} k elements beyond 1 ulp"
+            assert torch.equal(vrow, vref[t]), f"{label}: token {t}: v differs from its pre-norm row"
+        untouched = ~written.view(kc.shape[0], bs)
+        assert kc[untouched].isnan().all() and vc[untouched].isnan().all(), f"{label}: a slot not in " \
+            "slot_mapping (negative, or token past its length) was written"
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return {}
+
+
+def _get(ops, name):
+    if name not in ops:
+        ops[name] = flintgen.get_kernel(SPECS[name], "qkv")
+    return ops[name]
+
+
+# ============================================================== GPU numerics
+GPU_CASES = [("flint", m) for m in range(1, 9)] + [
+    ("flint_bf16", 3), ("flint_norope", 5), ("flint_nonorm", 2), ("bf16_4096", 1), ("bf16_4096", 8),
+    ("oss_nvfp4", 1), ("oss_nvfp4", 7), ("oss_bf16", 4), ("d256", 6)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m", GPU_CASES, ids=[f"{n}-M{m}" for n, m in GPU_CASES])
+def test_numerics(ops, name, m):
+    op = _get(ops, name)
+    c = Case(SPECS[name], m, seed=100 * m + len(name), residual=(m % 3 != 1), n_slots=max(m - (m % 2), 1))
+    q, res = c.run(op)
+    c.check(q, res, f"{name} M={m}")
+    # the production binary computes the same bits as the debug one
+    q_dbg, k_dbg, v_dbg = q.clone(), c.k_cache.clone(), c.v_cache.clone()
+    c.poison()
+    q2, _ = c.run(op, debug=False)
+    assert torch.equal(q2, q_dbg)
+    assert torch.equal(c.k_cache.nan_to_num(7.0), k_dbg.nan_to_num(7.0))
+    assert torch.equal(c.v_cache.nan_to_num(7.0), v_dbg.nan_to_num(7.0))
+
+
+OTHER_CONFIGS = [("flint", QKVConfig(16, 8, 8, 4, True), 8), ("flint", QKVConfig(16, 8, 8, 4), 5),
+                 ("flint", QKVConfig(16, 8, 4, 8), 3), ("bf16_4096", QKVConfig(16, 8, 8, 4), 8),
+                 ("oss_nvfp4", QKVConfig(16, 4, 8, 6, True), 6)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, cfg, m", OTHER_CONFIGS,
+                         ids=[f"{n}-r{c.rows}w{c.warps}p{c.prefetch}e{int(c.early_dequant)}" for n, c, _ in OTHER_CONFIGS])
+def test_numerics_other_launch_configs(name, cfg, m):
+    """The configurations a benchmark sweep may pick compute the same contract."""
+    from flintgen import toolchain
+    from flintgen.kernels.qkv import QKVOp
+    from flintgen.runtime import load_variant
+
+    spec = SPECS[name]
+    t = toolchain.resolve_target()
+    op = QKVOp(KDEF, spec, t, lambda v: load_variant(KDEF, spec, v, t)[0], config=cfg)
+    c = Case(spec, m, seed=900 + m, n_slots=m)
+    q, res = c.run(op)
+    c.check(q, res, f"{name} {cfg}")
+
+
+@pytest.mark.gpu
+def test_hnd_views_of_flint_cache(ops):
+    op = _get(ops, "flint")
+    c = Case(FLINT, 8, seed=7, hnd=True, n_slots=6)
+    q, res = c.run(op)
+    c.check(q, res, "flint HND")
+    # through the cache itself: block b, head h, token o -> K | V halves
+    d = c.d
+    for t, s in enumerate(c.slots.cpu().tolist()):
+        if s >= 0:
+            page = c.cache[s // 16, :, s % 16].cpu()            # [kv, 2D]
+            assert torch.equal(page[:, d:].reshape(-1), c.pre[t, (c.qh + c.kv) * d:].cpu())
+
+
+@pytest.mark.gpu
+def test_nvfp4_dequant_is_exact_one_hot(ops):
+    """One-hot activations read single weight columns: the 64 hand-built
+    columns of rows 0-1 and every row's scale and nibble decoding there."""
+    op = _get(ops, "flint")
+    c = Case(FLINT, 8, seed=3)
+    packed, sw, gs = c.weight.cpu(), c.weight_scale.cpu(), float(c.global_scale)
+    hp, hsw = _hand_nvfp4()
+    packed[:2, :32] = hp
+    lin = quant.unswizzle_scales(sw, packed.shape[0], 2 * packed.shape[1])
+    lin[:2, :4] = quant.unswizzle_scales(hsw, 2, 64)
+    sw = quant.swizzle_scales(lin)
+    c.weight, c.weight_scale = packed.cuda(), sw.cuda()
+    c.global_scale = torch.tensor([HAND_GS], device="cuda")
+    w_ref = quant.dequantize_nvfp4(packed, sw, HAND_GS, dtype=torch.float64)
+    assert torch.equal(w_ref[:2, :64], _hand_expected())
+    c.residual = None
+    c.norm_weight = torch.ones_like(c.norm_weight)
+    cols = list(range(64)) + [100, 511, 1023, 1024, 1500, 1983, 2046, 2047]   # 9 x 8 tokens
+    for i in range(0, len(cols), 8):
+        ks = cols[i:i + 8]
+        c.x = torch.zeros(8, FLINT.hidden_size, dtype=torch.bfloat16, device="cuda")
+        c.x[torch.arange(8), torch.tensor(ks)] = 1.0
+        c.run(op)
+        xk = c.xn[torch.arange(8), torch.tensor(ks)].double().cpu()          # the one nonzero input
+        ref = xk[:, None] * w_ref[:, ks].T                                     # [8, N] exact products
+        pre = c.pre.cpu().double()
+        assert (within_ulp(pre, ref)).all(), f"columns {ks}"
+        assert (pre == ref.float().bfloat16().double()).float().mean() > 0.99
+
+
+@pytest.mark.gpu
+def test_check_inputs_rejects_positions_past_table(ops, monkeypatch):
+    op = _get(ops, "flint")
+    c = Case(FLINT, 2, seed=5, max_pos=64)
+    c.positions[1] = 64
+    monkeypatch.setenv("FLINTGEN_CHECK_INPUTS", "1")
+    with pytest.raises(ValueError, match=r"positions \[64\] are outside \[0, max_pos = 64\)"):
+        op(*c.args())
+
+
+@pytest.mark.gpu
+def test_chain_of_layers_reusing_buffers_is_race_free(ops):
+    """L layers back to back with PDL on shared xn / q / residual buffers must
+    give the same bits as the same layers separated by synchronizations."""
+    op = _get(ops, "flint")
+    layers = [Case(FLINT, 8, seed=50 + i, n_slots=8) for i in range(6)]
+    for i, c in enumerate(layers):                  # every layer writes its own 8 slots
+        c.slots = torch.arange(8 * i, 8 * i + 8, device="cuda")
+        c.k_cache, c.v_cache = layers[0].k_cache, layers[0].v_cache
+    x0 = layers[0].x
+
+    def chain(sync):
+        res = layers[0].residual.clone()
+        xn = torch.empty_like(x0)
+        q = torch.empty(8, FLINT.num_q_heads * 128, dtype=torch.bfloat16, device="cuda")
+        layers[0].k_cache.fill_(float("nan"))
+        layers[0].v_cache.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for c in layers:
+            a = list(c.args())
+            a[1] = res
+            op(*a, q_out=q, xn_out=xn, residual_out=res)
+            if sync:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return q.clone(), res.clone(), layers[0].k_cache.clone(), layers[0].v_cache.clone()
+
+    want = chain(True)
+    for _ in range(3):
+        got = chain(False)
+        for a, b, what in zip(got, want, ("q", "residual", "k_cache", "v_cache")):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{what} differs without syncs"
+            assert torch.equal(a.isnan(), b.isnan()), what
+
+
+@pytest.mark.gpu
+def test_composes_with_decode_attention(ops):
+    """Write the new token's K/V with this kernel, attend with decode
+    attention over the same HND cache, compare with the fp64 reference."""
+    try:
+        attn = flintgen.get_kernel(FLINT, "decode_attention")
+    except ValueError as e:
+        pytest.skip(f"decode_attention not available: {e}")
+    from flintgen.references.decode_attention import decode_attention_ref, decode_attention_seed_rounding, rel_error
+
+    op = _get(ops, "flint")
+    b, d, page, blocks = 4, 128, 16, 40
+    gen = torch.Generator().manual_seed(11)
+    c = Case(FLINT, b, seed=11, hnd=True)
+    c.cache = (torch.randn(blocks, 4, page, 2 * d, generator=gen) * 0.5).bfloat16().cuda()
+    c.k_cache = c.cache[..., :d].permute(0, 2, 1, 3)
+    c.v_cache = c.cache[..., d:].permute(0, 2, 1, 3)
+    lens = torch.tensor([1, 17, 100, 160], dtype=torch.int32)
+    tables = torch.randperm(blocks, generator=gen)[: b * 10].view(b, 10).to(torch.int32)
+    pos = (lens - 1).long()
+    c.positions = pos.cuda()
+    c.slots = (tables[torch.arange(b), pos // page].long() * page + pos % page).cuda()
+    for t in range(b):                               # poison the new token's slot
+        s = int(c.slots[t])
+        c.cache[s // page, :, s % page] = float("nan")
+    q, _ = c.run(op, debug=False)
+    assert not c.cache.isnan().any(), "the kernel left a new slot unwritten"
+    qv = q.view(b, FLINT.num_q_heads, d)
+    sinks = torch.randn(FLINT.num_q_heads, generator=gen).cuda() if FLINT.sinks else None
+    out = torch.empty_like(qv)
+    a = (qv, c.cache, tables.cuda(), lens.cuda(), sinks, None, FLINT.scale)
+    attn(*a, out)
+    torch.cuda.synchronize()
+    ref = decode_attention_ref(*a)
+    ek = rel_error(out, ref)
+    et = rel_error(decode_attention_seed_rounding(*a), ref)
+    assert ek <= 2 * et + 1e-6 and ek < 1e-2, (ek, et)
