@@ -62,3 +62,24 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 @decode_attention.register_fake
 def _(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, spec):
     return None
+
+
+@torch.library.custom_op("flintgen::qkv", mutates_args=("k_cache", "v_cache"))
+def qkv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, weight: torch.Tensor,
+        weight_scale: Optional[torch.Tensor], global_scale: Optional[torch.Tensor],
+        q_norm_weight: Optional[torch.Tensor], k_norm_weight: Optional[torch.Tensor],
+        cos_sin_cache: Optional[torch.Tensor], positions: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+        qk_eps: float, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    q, res = _op(spec, "qkv")(x, residual, norm_weight, weight, weight_scale, global_scale, q_norm_weight,
+                              k_norm_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, bias,
+                              eps, qk_eps)
+    # Without a residual (first layer) the op returns x itself; an op output may not alias an input.
+    return q, (res.clone() if residual is None else res)
+
+
+@qkv.register_fake
+def _(x, residual, norm_weight, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
+      cos_sin_cache, positions, k_cache, v_cache, slot_mapping, bias, eps, qk_eps, spec):
+    s = _spec(spec)
+    return x.new_empty(x.shape[0], s.q_heads_per_rank * s.head_dim), torch.empty_like(x)

@@ -16,7 +16,7 @@ def _f(x, res, w):
 
 
 def test_ops_registered_with_fake_impls():
-    for name in ("rms_norm", "fused_add_rms_norm", "decode_attention"):
+    for name in ("rms_norm", "fused_add_rms_norm", "decode_attention", "qkv"):
         assert hasattr(torch.ops.flintgen, name)
     torch.library.opcheck  # noqa: B018 - available in this torch
 
@@ -64,3 +64,14 @@ def test_compiled_and_graph_captured_run():
     torch.cuda.synchronize()
     ref1, rr = rms_norm_ref(x, w, 1e-6, res)
     assert torch.equal(out[1], rr)
+
+
+def test_qkv_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = flintgen.get_preset("flint")
+    with FakeTensorMode():
+        x = torch.empty(3, 2048, dtype=torch.bfloat16)
+        e = torch.empty(1)
+        q, r = torch.ops.flintgen.qkv(x, x, e, e, e, e, e, e, e, e, e, e, e, None, 1e-6, 1e-6, KEY)
+        assert q.shape == (3, spec.q_heads_per_rank * 128) and r.shape == (3, 2048)
