@@ -2,6 +2,13 @@
 flint HND cache, with the read-bandwidth floor measured in the same process.
 
     python -m benchmarks.decode_attention [--quick] [--runs 3]
+    python -m benchmarks.decode_attention --gpt-oss [--runs 1]
+
+``--gpt-oss`` times head_dim 64 with gpt-oss-20b's heads per rank (64/8,
+32/4, 8/1: TP 1, 2, 8), window 128 and full attention, B in {1, 8, 64, 256},
+L in {1k, 8k, 32k}, and writes decode_attention_gpt_oss.{md,json}. Each
+(heads, B, L) cache is allocated for its rows and freed after (B=256 x 32k x
+8 kv heads x d64 is 17 GB).
 
 Method (as the peer table was timed): 20 identical calls per CUDA graph,
 median replay; PDL on wherever a kernel has it (flintgen's kernel always
@@ -25,6 +32,12 @@ FLINT = flintgen.get_preset("flint")
 TP2 = FLINT.replace(tp_size=2)                                # 16 q / 2 kv per rank
 WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)          # 64 / 8
 
+# gpt-oss-20b: hidden 2880, 64 q / 8 kv heads of 64, sinks, window 128.
+GPT_OSS = FLINT.replace(name="gpt-oss-20b", hidden_size=2880, num_q_heads=64, num_kv_heads=8, head_dim=64)
+GPT_OSS_TP = [GPT_OSS.replace(tp_size=tp) for tp in (1, 2, 8)]
+GPT_OSS_BATCHES = (1, 8, 64, 256)
+GPT_OSS_LENS = (1024, 8192, 32768)
+
 # (spec, batch, seq_len, window, goal µs or None, goal % of floor or None)
 GOAL_ROWS = [
     (TP2, 1, 1024, None, 4.0, None),
@@ -41,7 +54,7 @@ GOAL_ROWS = [
 class Case:
     """A paged cache with random contents and a random page permutation."""
 
-    def __init__(self, spec, batch, seq_lens, window, copies=1, seed=0):
+    def __init__(self, spec, batch, seq_lens, window, copies=1, seed=0, lean=False):
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.spec, self.window = spec, window
         hq, hkv, d, page = spec.q_heads_per_rank, spec.kv_heads_per_rank, spec.head_dim, spec.page_size
@@ -50,16 +63,25 @@ class Case:
         max_blocks = -(-self.max_len // page)
         nblocks = batch * max_blocks
         # ``copies`` caches rotated between calls defeat L2 (4x its 60 MB).
-        self.kvs = [torch.randn(nblocks, hkv, page, 2 * d, device="cuda", generator=g).bfloat16()
-                    for _ in range(copies)]
+        if lean:    # bf16 straight away: no fp32 temporary twice the cache's size
+            self.kvs = [torch.empty(nblocks, hkv, page, 2 * d, dtype=torch.bfloat16, device="cuda").normal_(
+                generator=g) for _ in range(copies)]
+        else:
+            self.kvs = [torch.randn(nblocks, hkv, page, 2 * d, device="cuda", generator=g).bfloat16()
+                        for _ in range(copies)]
         self.bts = [torch.randperm(nblocks, device="cuda", generator=g).int().view(batch, max_blocks)
                     for _ in range(copies)]
         self.q = torch.randn(batch, hq, d, device="cuda", generator=g).bfloat16()
         self.sinks = torch.randn(hq, device="cuda", generator=g)
         self.out = torch.empty_like(self.q)
         self.scale = spec.scale
-        attended = sum(min(n, window) if window else n for n in seq_lens)
-        self.bytes = attended * hkv * 2 * d * 2
+        self.set_window(window)
+
+    def set_window(self, window):
+        """Time the same cache with another window (None: full attention)."""
+        self.window = window
+        attended = sum(min(n, window) if window else n for n in self.seq_lens.tolist())
+        self.bytes = attended * self.spec.kv_heads_per_rank * 2 * self.spec.head_dim * 2
 
     def flintgen_fn(self):
         op = flintgen.get_kernel(self.spec, "decode_attention")
@@ -90,11 +112,76 @@ def measure(case, peers=True):
     return res
 
 
+def _precompile(plan):
+    """Compile the (spec, batch, sliding) variants of ``plan`` in parallel
+    processes before timing (a first call would otherwise compile inline)."""
+    import concurrent.futures as cf
+    import multiprocessing
+    import os
+
+    from flintgen import cache, toolchain
+    from flintgen.cli import _build_one
+    from flintgen.kernels import get_def
+
+    kdef, target = get_def("decode_attention"), toolchain.resolve_target()
+    todo = {}
+    for spec, b, sliding in plan:
+        v = kdef.bind(spec, target, lambda v: None)._variants[sliding][b]
+        todo.setdefault(v.name, (spec, v))
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
+        for f in [pool.submit(_build_one, spec, "decode_attention", v, target, cache.default_root())
+                  for spec, v in todo.values()]:
+            f.result()
+
+
+def gpt_oss(runs, bw):
+    """The --gpt-oss table: one cache per (heads, B, L), timed with window 128
+    and full attention, ``runs`` times, then freed."""
+    _precompile([(s, b, sl) for s in GPT_OSS_TP for b in GPT_OSS_BATCHES for sl in (True, False)])
+    rows = []
+    for spec in GPT_OSS_TP:
+        for b in GPT_OSS_BATCHES:
+            for L in GPT_OSS_LENS:
+                case = Case(spec, b, [L] * b, None, lean=True, seed=b + L)
+                for window in (128, None):
+                    case.set_window(window)
+                    per = [measure(case) for _ in range(runs)]
+                    ours = [p["flintgen"] for p in per]
+                    peers, extra = {}, {"spread_us": max(ours) - min(ours)}
+                    for name in PEERS:
+                        vals = [p[name] for p in per]
+                        if all(isinstance(v, float) for v in vals):
+                            peers[name] = statistics.median(vals)
+                            extra[f"{name}_spread_us"] = max(vals) - min(vals)
+                        else:
+                            extra[f"{name}_error"] = next(v for v in vals if not isinstance(v, float))
+                    rows.append(Row({"q/kv heads": _label(spec), "B": b, "L": L, "window": window or "—"},
+                                    statistics.median(ours), case.bytes / bw * 1e6, peers, extra))
+                    print(rows[-1].case, f"{rows[-1].flintgen_us:.2f} us", peers, flush=True)
+                del case
+                torch.cuda.empty_cache()
+    print(write_results("decode_attention_gpt_oss", rows, bw,
+                        f"gpt-oss-20b heads per rank (TP 1 / 2 / 8), head_dim 64, sinks on, 16-token pages "
+                        f"permuted; median of {runs} run(s). flintgen's head_dim-64 launch choices are "
+                        "derived, not yet tuned (flintgen/configs/decode_attention_config.py)."))
+    for r in rows:
+        for k, v in r.extra.items():
+            if k.endswith("_error"):
+                print(r.case, k, v)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=None, help="table repeats (default 3; --gpt-oss: 1)")
     ap.add_argument("--quick", action="store_true", help="goal rows only, one run")
+    ap.add_argument("--gpt-oss", action="store_true",
+                    help="gpt-oss-20b head_dim-64 table (decode_attention_gpt_oss.{md,json}) instead")
     args = ap.parse_args()
+    if args.gpt_oss:
+        gpt_oss(args.runs or 1, read_bandwidth())
+        return
+    args.runs = args.runs or 3
     for spec in (TP2, WIDE):
         flintgen.warmup(spec, ["decode_attention"])
     bw = read_bandwidth()

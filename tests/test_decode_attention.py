@@ -1,6 +1,7 @@
-"""Split-KV paged decode attention: heuristics, variants, validation and
-compiles on any machine; numerics, CUDA graphs, stream ordering and PDL
-ordering on the GPU (``gpu`` marker).
+"""Split-KV paged decode attention at Flint's shape (GQA 8, head_dim 128,
+16-token pages): heuristics, variants, validation and compiles on any
+machine; numerics, CUDA graphs, stream ordering and PDL ordering on the GPU
+(``gpu`` marker). Other shapes: test_decode_attention_shapes.py.
 
 GPU error figures are appended to the file named by
 FLINTGEN_DA_RESULTS (one line per checked case) when it is set.
@@ -10,7 +11,6 @@ is traced by the DSL, which evaluates its annotations in module globals.)
 """
 
 import functools
-import os
 import random
 
 import pytest
@@ -21,11 +21,9 @@ from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef
 from flintgen.presets import FLINT
-from flintgen.references.decode_attention import (
-    decode_attention_ref,
-    decode_attention_seed_rounding,
-    rel_error,
-)
+from flintgen.references.decode_attention import decode_attention_ref, rel_error
+
+from decode_attention_cases import Case, lens_for, record
 
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
@@ -83,15 +81,25 @@ def test_config_rejects_bad_values():
         dac.DecodeAttentionConfig(3, 4, 2, 1, True, 0)
 
 
-@pytest.mark.parametrize("field, value, what", [("head_dim", 64, "head_dim = 64"),
-                                                ("page_size", 32, "page_size = 32"),
-                                                ("num_q_heads", 16, r"GQA \(q heads per kv head\) = 4")])
-def test_unsupported_spec_raises_at_build_time(field, value, what):
-    spec = FLINT.replace(**{field: value})
-    with pytest.raises(NotImplementedError, match=what + r" is not supported yet \(supported: "):
+@pytest.mark.parametrize("over, what", [
+    (dict(num_q_heads=64, num_kv_heads=32), r"GQA \(q heads per kv head per rank\) = 2"),
+    (dict(num_q_heads=128, num_kv_heads=4), r"GQA \(q heads per kv head per rank\) = 32"),
+    (dict(num_q_heads=48, num_kv_heads=4), r"GQA \(q heads per kv head per rank\) = 12"),
+])
+def test_unsupported_spec_raises_at_build_time(over, what):
+    spec = FLINT.replace(**over)
+    with pytest.raises(NotImplementedError, match=what + r" is not supported \(supported: \[4, 8, 16\]"):
         KDEF.variants(spec, T132)
     with pytest.raises(NotImplementedError, match=what):
         KDEF.bind(spec, T132, lambda v: None)
+
+
+def test_head_dim_256_is_rejected_with_the_reason():
+    spec = FLINT.replace(head_dim=256)
+    for build in (lambda: KDEF.variants(spec, T132), lambda: KDEF.bind(spec, T132, lambda v: None)):
+        with pytest.raises(NotImplementedError, match=r"head_dim = 256 is not supported \(supported: \[64, 128\]\): "
+                                                      r"register budget\. .*would spill"):
+            build()
 
 
 # ----------------------------------------------------------------- variants
@@ -260,99 +268,9 @@ def test_variant_compiles_clean(variant):
 
 
 # ================================================================= GPU
-_RESULTS = os.environ.get("FLINTGEN_DA_RESULTS")
-
-
-def _record(line: str) -> None:
-    print(line)
-    if _RESULTS:
-        with open(_RESULTS, "a") as f:
-            f.write(line + "\n")
-
-
-class Case:
-    """Random inputs for one launch, on the GPU.
-
-    Block tables are random permutations of the cache's blocks. Everything
-    the kernel must not read is NaN: block 0 (the padding id of unused table
-    columns), positions past seq_len in the last page, positions before the
-    window in its first page and whole pages before it. A stale or
-    out-of-range read therefore shows up as NaN in the output.
-    """
-
-    def __init__(self, spec, lens, window, *, seed=0, extra_cols=3, q_scale=1.5):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        rnd = random.Random(seed)
-        self.spec, self.window = spec, window
-        hq, hkv = spec.q_heads_per_rank, spec.kv_heads_per_rank
-        b = len(lens)
-        pages = [-(-n // PAGE) for n in lens]
-        width = max(pages + [1]) + extra_cols
-        nblocks = sum(pages) + 2
-        ids = list(range(1, nblocks))
-        rnd.shuffle(ids)
-        kv = torch.randn(nblocks, hkv, PAGE, 2 * D, generator=g, device="cuda").bfloat16()
-        bt = torch.zeros(b, width, dtype=torch.int32)
-        dead = [0]
-        for i, n in enumerate(lens):
-            row = [ids.pop() for _ in range(pages[i])]
-            bt[i, :pages[i]] = torch.tensor(row, dtype=torch.int32)
-            if n == 0:
-                continue
-            start = max(n - window, 0) if window is not None else 0
-            dead += row[:start // PAGE]
-            if start % PAGE:
-                kv[row[start // PAGE], :, :start % PAGE] = float("nan")
-            if n % PAGE:
-                kv[row[-1], :, n % PAGE:] = float("nan")
-        kv[torch.tensor(dead, device="cuda")] = float("nan")
-        self.kv = kv
-        self.bt = bt.cuda()
-        self.lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        self.q = (torch.randn(b, hq, D, generator=g, device="cuda") * q_scale).bfloat16()
-        self.sinks = (torch.randn(hq, generator=g, device="cuda") * 2).float() if spec.sinks else None
-        self.scale = spec.scale
-
-    def args(self, out):
-        return (self.q, self.kv, self.bt, self.lens, self.sinks, self.window, self.scale, out)
-
-    def poisoned_out(self):
-        return torch.full_like(self.q, float("nan"))
-
-    def check(self, out, label, *, kv=None, tol=1e-2):
-        """Finite, exact zeros for seq_len 0, and the error vs the fp64
-        reference <= tol and <= 2x the seed-rounding torch error. Returns
-        (err_kernel, err_torch)."""
-        assert torch.isfinite(out).all(), f"{label}: non-finite output"
-        zero = self.lens == 0
-        assert (out[zero] == 0).all(), f"{label}: seq_len 0 rows are not exact zeros"
-        live = ~zero
-        if not live.any():
-            return 0.0, 0.0
-        a = (self.q, self.kv if kv is None else kv, self.bt, self.lens, self.sinks, self.window, self.scale)
-        ref = decode_attention_ref(*a)
-        tor = decode_attention_seed_rounding(*a)
-        ek = rel_error(out[live], ref[live])
-        et = rel_error(tor[live], ref[live])
-        _record(f"{label}: err {ek:.3e} torch-seed-rounding {et:.3e} ratio {ek / max(et, 1e-30):.2f}")
-        assert ek <= tol, f"{label}: relative error {ek:.3e} > {tol}"
-        assert ek <= 2 * et + 1e-6, f"{label}: error {ek:.3e} above 2x the torch one ({et:.3e})"
-        return ek, et
-
-
-def _lens_for(cfg, b, sliding, window, rnd):
-    """Mixed seq_lens for one batch: edge lengths plus lengths that activate
-    every split of ``cfg`` (one long request at least)."""
-    if sliding:
-        pool = [0, 1, 15, 16, 17, window - 1, window, window + 1, window + 17, 300, 1000, 2049]
-        full = window + 40
-    else:
-        full = cfg.num_splits * cfg.num_warps * cfg.min_pages * PAGE   # all splits active from here
-        pool = [0, 1, 15, 16, 17, 33, 100, full - 1, full, full + 17, rnd.randint(1, full)]
-    cap = max(4_000_000 // b, 1)                                        # bound the cache size
-    lens = [min(rnd.choice(pool), cap) for _ in range(b)]
-    lens[0] = min(full + rnd.randint(0, 40), cap)
-    return lens
+# Flint's shape; every other (GQA, head_dim, page) is in test_decode_attention_shapes.py.
+_lens_for = lens_for
+_record = record
 
 
 def _flint_cases():
@@ -625,18 +543,19 @@ def _dominant_rows(case, req_pos):
     """Rows [K | V] that dominate every q head of their kv head (logit ~20
     against ~N(0, 2) for the rest; V = 3.0) for (request, position) pairs,
     their element offsets in the flat cache, and the cache with them written."""
-    hkv = case.kv.shape[1]
+    hkv, page, d = case.kv.shape[1], case.spec.page_size, case.spec.head_dim
+    assert d == D, "the writer copies rows of 2 x 128 elements"
     rows, offs = [], []
     for b, pos in req_pos:
-        k = case.q[b].float().view(hkv, GQA, D).mean(1) * 15
+        k = case.q[b].float().view(hkv, -1, d).mean(1) * 15
         rows.append(torch.cat([k, torch.full_like(k, 3.0)], dim=-1).bfloat16())
-        blk = int(case.bt[b, pos // PAGE])
-        offs += [(case.kv[blk, h, pos % PAGE].data_ptr() - case.kv.data_ptr()) // 2 for h in range(hkv)]
+        blk = int(case.bt[b, pos // page])
+        offs += [(case.kv[blk, h, pos % page].data_ptr() - case.kv.data_ptr()) // 2 for h in range(hkv)]
     rows = torch.cat(rows).contiguous()
     offs = torch.tensor(offs, dtype=torch.int64, device="cuda")
     fresh = case.kv.clone()
     for j, o in enumerate(offs.tolist()):
-        fresh.view(-1)[o:o + 2 * D] = rows[j]
+        fresh.view(-1)[o:o + 2 * d] = rows[j]
     return rows, offs, fresh
 
 
@@ -684,6 +603,29 @@ def test_pdl_writer_before_attention(flint_op, sliding, lens):
         _writer_then_attention(writer, flint_op, case, rows, offs, out)
         case.check(out, f"pdl writer {'swa' if sliding else 'full'} lens={lens} it={it}", kv=fresh)
     assert torch.equal(case.kv.view(torch.int16), fresh.view(torch.int16))   # bitwise (NaN != NaN)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sliding", [False, True])
+def test_pdl_writer_before_attention_long_pages(sliding):
+    """The writer test on 64-token pages with GQA 16 (head_dim 128, the
+    writer's row): only the 16-token slice holding the current token waits
+    for the grid dependency; the other slices of its page are prefetched
+    before it (the previous kernel writes the current token's row alone)."""
+    import flintgen
+
+    spec = FLINT.replace(name="g16-p64", num_q_heads=32, num_kv_heads=2, page_size=64, max_batch=8)
+    op = flintgen.get_kernel(spec, "decode_attention")
+    writer = _writer_fn()
+    lens = [5, 64, 65, 130, 300, 2000]
+    case = Case(spec, lens, 128 if sliding else None, seed=13)
+    rows, offs, fresh = _dominant_rows(case, [(b, n - 1) for b, n in enumerate(lens)])
+    stale = case.kv.clone()
+    for it in range(10):
+        case.kv.copy_(stale)
+        out = case.poisoned_out()
+        _writer_then_attention(writer, op, case, rows, offs, out)
+        case.check(out, f"pdl writer g16 p64 {'swa' if sliding else 'full'} it={it}", kv=fresh)
 
 
 @pytest.mark.gpu

@@ -5,36 +5,55 @@ Provenance: the rule in ``launch_config`` is the hand-written Flint kernel's
 H200 (132 SMs) for Flint's 4 kv heads, GQA 8, head_dim 128, 16-token pages and
 a 128-token window. It is restated here in (request, kv head) pairs, so for 4
 kv heads it picks exactly what the seed picks; other head counts and long
-windows are extrapolations, marked as such below, not measurements.
+windows are extrapolations, marked as such below, not measurements. So are
+every choice for head_dim 64, GQA 4 / 16 and 32- / 64-token pages (derived
+below from the bytes each unit of work moves; none of them measured yet).
 
-Terms: a *split* is one CTA of a (request, kv head); its ``num_warps`` warps
-each stream whole 8 KB pages (16 tokens x [K | V]) through a private ring of
-``num_stages`` bulk-copy slots. ``min_pages``: a split is active only when
-each of its warps gets at least that many pages. ``cluster``: the splits of a
-(request, kv head) form a thread-block cluster and merge through distributed
-shared memory instead of global fp32 partials + a last-CTA merge.
+Terms: a *slice* is 16 tokens of one kv head's page, [16, 2 * head_dim] bf16
+(8 KB at head_dim 128, 4 KB at 64): the unit every warp streams (a page of
+32 or 64 tokens is 2 or 4 consecutive slices in the HND cache). A *split* is
+one CTA of a (request, kv head); its ``num_warps`` warps each stream whole
+slices through a private ring of ``num_stages`` bulk-copy slots.
+``min_pages``: a split is active only when each of its warps gets at least
+that many slices (the name predates pages of more than 16 tokens).
+``cluster``: the splits of a (request, kv head) form a thread-block cluster
+and merge through distributed shared memory instead of global fp32 partials
++ a last-CTA merge. Head tiles: the mma's N = 8 columns are q heads, so GQA 4
+runs one tile with 4 padded heads and GQA 16 two tiles (``tile_heads`` 8 or
+16 heads are computed and merged).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What this kernel generation handles; a later issue generalizes these.
-SUPPORTED_HEAD_DIMS = (128,)
-SUPPORTED_GQA = (8,)
-SUPPORTED_PAGE_SIZES = (16,)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_GQA = (4, 8, 16)
+SUPPORTED_PAGE_SIZES = (16, 32, 64)
 
-PAGE_BYTES = 16 * 2 * 128 * 2          # 16 tokens x (K | V) x 128 dims x bf16 = 8 KB
+SLICE = 16                             # tokens per streamed slice (the mma's M)
+PAGE_BYTES = 16 * 2 * 128 * 2          # one head_dim-128 slice: 16 x (K | V) x 128 x bf16 = 8 KB
 SMEM_PER_SM = 228 * 1024               # H100/H200 shared memory per SM
 SMEM_PER_CTA_MAX = 227 * 1024          # opt-in maximum of one CTA
-# Epilogue scratch reuses the ring: per warp 8 heads x 128 dims of partial O
-# plus m[8], l[8] (fp32), then the split merge's m/l table.
+# Epilogue scratch reuses the ring: per warp TH heads x D dims of partial O
+# plus m[TH], l[TH] (fp32), then the split merge's m/l table. At Flint's
+# TH = 8, D = 128:
 WARP_SCRATCH_FLOATS = 8 * 128 + 16
-# Windows up to this many pages (496 tokens at page 16: 31 pages + 1 for an
-# unaligned start) count as "short": the cluster design was measured with
-# window 128 (8-9 pages). Longer windows use the full-attention rule.
+# Windows up to this many slices (496 tokens: 31 slices + 1 for an unaligned
+# start) count as "short": the cluster design was measured with window 128
+# (8-9 slices). Longer windows use the full-attention rule.
 SHORT_WINDOW_MAX_PAGES = 32
 MAX_CLUSTER = 8                        # portable thread-block cluster size
+
+
+def slice_bytes(head_dim: int) -> int:
+    """Bytes of one 16-token slice of one kv head: 16 x (K | V) x D x bf16."""
+    return SLICE * 2 * head_dim * 2
+
+
+def tile_heads(gqa: int) -> int:
+    """Heads a CTA computes per kv head: whole mma tiles of N = 8."""
+    return 8 * -(-gqa // 8)
 
 
 @dataclass(frozen=True)
@@ -48,40 +67,67 @@ class DecodeAttentionConfig:
     # memory: with PDL the next grid's CTAs launch while this one drains and
     # would otherwise pile up on the first SMs to free up (seed's comment).
     ctas_per_sm: int
+    # The shape the sizes below are for (not launch choices: the variant
+    # carries them separately, ``as_params`` leaves them out).
+    head_dim: int = 128
+    gqa: int = 8
 
     def __post_init__(self) -> None:
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps = {self.num_warps} is not supported: the epilogue maps "
-                             "8 heads x 128 dims onto 4 or 8 warps (8 or 4 dims per thread)")
-        if not 2 <= self.num_stages <= 4:
-            raise ValueError(f"num_stages = {self.num_stages}: supported are 2..4 ring slots per warp")
+                             f"{self.tile_heads} heads x {self.head_dim} dims onto 4 or 8 warps")
+        if not 2 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages = {self.num_stages}: supported are 2..8 ring slots per warp")
         if self.num_splits < 1 or self.min_pages < 1 or self.ctas_per_sm < 0:
             raise ValueError(f"invalid decode-attention config {self}")
+        th, d = self.tile_heads, self.head_dim
+        if (th * d) % (32 * self.num_warps) or self.dims_per_thread < 4:
+            raise ValueError(f"{self.num_warps} warps give {th * d / (32 * self.num_warps):g} dims per "
+                             f"thread for {th} heads x {d} dims; the epilogue needs >= 4 (16-byte partial "
+                             "stores): use fewer warps")
         if self.ring_bytes > SMEM_PER_CTA_MAX - 4096:
             raise ValueError(f"ring of {self.ring_bytes} B does not fit one CTA's shared memory")
         if self.scratch_bytes > self.ring_bytes:
             raise ValueError(f"{self.num_splits} splits need {self.scratch_bytes} B of epilogue "
                              f"scratch, more than the {self.ring_bytes} B ring it reuses")
         if self.cluster:
-            # Rank r merges head dims [r * 128 / splits, ...): the slice must hold
+            # Rank r merges head dims [r * D / splits, ...): the slice must hold
             # whole per-thread chunks of E dims and split evenly over the CTA.
-            dpr = 128 // max(self.num_splits, 1)
+            dpr = d // max(self.num_splits, 1)
             e = self.dims_per_thread
-            if (self.num_splits not in (2, 4, 8) or dpr % e or (8 * dpr) % (32 * self.num_warps)):
-                raise ValueError(f"cluster merge needs 2, 4 or 8 splits with 4 warps, got {self}")
+            if (self.num_splits not in (2, 4, 8) or dpr % e or (th * dpr) % (32 * self.num_warps)):
+                raise ValueError(f"cluster merge needs 2, 4 or 8 splits whose {d} / splits dims per rank "
+                                 f"x {th} heads cover the CTA's threads evenly, got {self}")
+            if self.ring_bytes + 4 * self.cluster_floats > SMEM_PER_CTA_MAX - 4096:
+                raise ValueError(f"ring + cluster buffer of {self} do not fit one CTA's shared memory")
+
+    @property
+    def tile_heads(self) -> int:
+        return tile_heads(self.gqa)
+
+    @property
+    def slice_bytes(self) -> int:
+        return slice_bytes(self.head_dim)
 
     @property
     def ring_bytes(self) -> int:
-        return self.num_warps * self.num_stages * PAGE_BYTES
+        return self.num_warps * self.num_stages * self.slice_bytes
 
     @property
     def dims_per_thread(self) -> int:
-        """Epilogue: consecutive dims of one head per thread (8 heads x 128 dims)."""
-        return 1024 // (32 * self.num_warps)
+        """Epilogue: consecutive dims of one head per thread (TH heads x D dims)."""
+        return self.tile_heads * self.head_dim // (32 * self.num_warps)
 
     @property
     def scratch_bytes(self) -> int:
-        return 4 * (self.num_warps * WARP_SCRATCH_FLOATS + 16 * self.num_splits + 16)
+        th = self.tile_heads
+        warp = th * self.head_dim + 2 * th
+        return 4 * (self.num_warps * warp + 2 * th * self.num_splits + 2 * th)
+
+    @property
+    def cluster_floats(self) -> int:
+        """DSMEM merge buffer per rank: every split's O slice, m and l."""
+        return self.tile_heads * self.head_dim + 2 * self.tile_heads * self.num_splits if self.cluster else 0
 
     @property
     def uses_partials(self) -> bool:
@@ -95,19 +141,47 @@ class DecodeAttentionConfig:
 
 
 def check_supported(*, head_dim: int, gqa: int, page_size: int) -> None:
-    """Raise NotImplementedError for shapes this kernel does not handle yet."""
-    for name, value, ok in (("head_dim", head_dim, SUPPORTED_HEAD_DIMS), ("GQA (q heads per kv head)", gqa, SUPPORTED_GQA),
-                            ("page_size", page_size, SUPPORTED_PAGE_SIZES)):
+    """Raise NotImplementedError for shapes this kernel does not handle."""
+    if head_dim == 256:
+        raise NotImplementedError(
+            "decode_attention: head_dim = 256 is not supported (supported: [64, 128]): register budget. "
+            "One 16-token slice per warp puts 128 u32 of K/V fragments, 64 fp32 O accumulators and 32 "
+            "u32 of q in every lane (224 of the 255 registers an sm_90 thread can have) before softmax "
+            "state, addresses and the ring pipeline, so the kernel would spill; a head_dim-256 design "
+            "needs K and V streamed in halves. Use a spec with head_dim 64 or 128."
+        )
+    for name, value, ok, why in (
+        ("head_dim", head_dim, SUPPORTED_HEAD_DIMS, "the mma fragment layouts cover 64 and 128 dims"),
+        ("GQA (q heads per kv head per rank)", gqa, SUPPORTED_GQA,
+         "q heads are the mma's 8 columns: GQA 4 pads one tile, 16 runs two"),
+        ("page_size", page_size, SUPPORTED_PAGE_SIZES, "pages are streamed as 16-token slices"),
+    ):
         if value not in ok:
             raise NotImplementedError(
-                f"decode_attention: {name} = {value} is not supported yet (supported: {list(ok)}; "
-                "the mma fragment layouts assume GQA 8, head_dim 128, 16-token pages). "
-                "Use a spec with those values, or wait for the generalizing issue."
+                f"decode_attention: {name} = {value} is not supported (supported: {list(ok)}; {why}). "
+                "Use a spec with a supported value."
             )
 
 
-def is_short_window(window: int | None, page_size: int) -> bool:
-    return window is not None and -(-window // page_size) + 1 <= SHORT_WINDOW_MAX_PAGES
+def is_short_window(window: int | None, page_size: int = SLICE) -> bool:
+    """Whether a window spans at most SHORT_WINDOW_MAX_PAGES 16-token slices
+    (``page_size`` is accepted for callers but does not matter: work is
+    distributed in slices)."""
+    return window is not None and -(-window // SLICE) + 1 <= SHORT_WINDOW_MAX_PAGES
+
+
+def _fit_cluster(splits: int, stages: int, head_dim: int, gqa: int) -> DecodeAttentionConfig:
+    """The largest cluster <= ``splits`` whose DSMEM merge mapping fits the
+    shape. head_dim 64 with 8 heads: 8 ranks would own 8 dims x 8 heads = 64
+    values for 128 threads, so 4 ranks (16 dims each); with a 9-slice window
+    16 warps still give every warp at most one slice, the latency of 8 ranks."""
+    while True:
+        try:
+            return DecodeAttentionConfig(splits, 4, stages, 1, True, 0, head_dim, gqa)
+        except ValueError:
+            if splits <= 2:
+                raise
+            splits //= 2
 
 
 def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int | None,
@@ -115,19 +189,29 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     """The configuration for a static batch size (launch shape depends on it alone).
 
     ``window``: the spec's sliding-window length (used only when ``sliding``).
+    ``gqa``: q heads per kv head *per rank*.
+
+    Page size never changes the choice: the unit of work is the 16-token
+    slice whatever the page (only which block-table entry a slice's address
+    comes from differs). GQA 4 and 16 get the GQA-8 choice of their head_dim:
+    the bytes per slice do not depend on it, and decode stays bound by them
+    (GQA 16 doubles the mma work per slice, 16 flop per byte, far below the
+    ~100 flop/byte where mma.sync would limit on an H200). Unmeasured.
     """
     check_supported(head_dim=head_dim, gqa=gqa, page_size=page_size)
     if batch < 1 or num_kv_heads < 1 or num_sms < 1:
         raise ValueError(f"batch={batch}, num_kv_heads={num_kv_heads}, num_sms={num_sms} must be >= 1")
     num_bh = batch * num_kv_heads
-    if sliding and is_short_window(window, page_size):
-        # Window 128 = 8-9 pages per (request, kv head): too little work to
+    if sliding and is_short_window(window):
+        # Window 128 = 8-9 slices per (request, kv head): too little work to
         # split across SMs through global memory, so the splits of a pair form
         # a cluster and merge in DSMEM. Seed, measured at 4 kv heads: batch <= 2
-        # (8 pairs) -> 8 splits of 4 warps (one page per warp, 2 stages
+        # (8 pairs) -> 8 splits of 4 warps (one slice per warp, 2 stages
         # suffice); batch <= 16 (64 pairs) -> 4 splits, 3 stages; above that
         # one CTA per pair already fills the GPU (68+ CTAs) and a cluster merge
-        # only adds barriers.
+        # only adds barriers. The slice count of a window does not depend on
+        # head_dim, so head_dim 64 keeps these bands (unmeasured), with the
+        # cluster shrunk where its merge mapping needs it (_fit_cluster).
         #
         # flintgen's own H200 timings (2026-11-29; CUDA-graph replay of 20
         # back-to-back launches, window 128, seq_len 8199 = 9 pages; see
@@ -139,16 +223,18 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
         # batch 8: 4.27 / 3.73 / 3.97 us; batch 12: 4.47 / 4.25 / 4.16 us;
         # batch 256: 30.8 us with 3 stages vs 27.9 us with 2.
         if num_bh <= 8:
-            return DecodeAttentionConfig(8, 4, 2, 1, True, 0)
+            return _fit_cluster(8, 2, head_dim, gqa)
         if num_bh <= 64:
-            return DecodeAttentionConfig(4, 4, 3, 1, True, 0)
-        return DecodeAttentionConfig(1, 4, 3, 1, False, 0)
-    # Full attention (and, unmeasured, windows longer than 32 pages): split the
-    # pages of each pair across the SMs. Seed, at 4 kv heads: batch <= 2 (<= 8
+            return _fit_cluster(4, 3, head_dim, gqa)
+        return DecodeAttentionConfig(1, 4, 3, 1, False, 0, head_dim, gqa)
+    if head_dim == 64:
+        return _full_attention_d64(num_bh, num_sms, gqa)
+    # Full attention (and, unmeasured, windows longer than 32 slices): split the
+    # slices of each pair across the SMs. Seed, at 4 kv heads: batch <= 2 (<= 8
     # pairs) -> one 8-warp CTA per SM (132 // pairs splits, 2 stages);
     # otherwise two 4-warp CTAs per SM (2 * 132 // pairs splits), 2 stages
     # while batch <= 4 (16 pairs), then 3 (deeper rings pay once each warp
-    # streams many pages). min_pages 2: a warp with a single page spends more
+    # streams many slices). min_pages 2: a warp with a single slice spends more
     # on its prologue and the merge than on streaming. flintgen's H200
     # timings (same method as above) agree at long contexts: batch 1 x 32k
     # 21.4 us (3.2 TB/s) vs 25.8 with 66 x 4-warp splits; batch 8 x 8k 37.9 us
@@ -168,7 +254,28 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     else:
         splits = max(1, 2 * num_sms // num_bh)
         warps, stages, min_pages = 4, (2 if num_bh <= 16 else 3), 2
-    return DecodeAttentionConfig(splits, warps, stages, min_pages, False, 8 // warps)
+    return DecodeAttentionConfig(splits, warps, stages, min_pages, False, 8 // warps, head_dim, gqa)
+
+
+def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
+    """head_dim 64 (unmeasured): the head_dim-128 rule above re-derived for
+    4 KB slices, keeping what it keeps per SM and per warp.
+
+    * Warps per pair and per SM: the 8-warp, one-CTA-per-SM choice at <= 8
+      pairs would leave 2 epilogue dims per thread (8 heads x 64 dims over 256
+      threads), so it becomes two 4-warp CTAs per SM with twice the splits:
+      the same 8 warps per SM and per pair.
+    * Bytes in flight: stages double (2 -> 4, 3 -> 6) so that a warp's ring
+      holds the same bytes (16 / 24 KB) as with 8 KB slices; per SM that is
+      the measured 128 KB (small batch) and 192 KB (large batch).
+    * min_pages: the single-slice penalty is fixed prologue + merge cost
+      against streaming bytes, so 2 slices of 8 KB become 4 of 4 KB; the
+      small-batch min_pages 1 (measured: more active splits win at 1k) stays.
+    """
+    splits = max(1, 2 * num_sms // num_bh)
+    if num_bh <= 8:
+        return DecodeAttentionConfig(splits, 4, 4, 1, False, 2, 64, gqa)
+    return DecodeAttentionConfig(splits, 4, 4 if num_bh <= 16 else 6, 4, False, 2, 64, gqa)
 
 
 def all_configs(*, max_batch: int, num_kv_heads: int, sliding: bool, window: int | None,

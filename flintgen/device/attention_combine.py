@@ -9,21 +9,25 @@ Merging partials r: m = max m_r, w_r = exp2(m_r * c - m * c) (0 for an empty
 partial, m_r = -inf), O = sum w_r O_r, l = sum w_r l_r; the output is
 O / (l + exp2(sink * log2 e - m * c)).
 
-Epilogue thread mapping (8 heads x 128 dims over the CTA): thread ``tid``
-owns head ``eh = tid // (128 / E)``, dims ``ed .. ed + E - 1`` with
-``ed = (tid % (128 / E)) * E`` and ``E = 1024 / threads`` (8 for 4 warps,
-4 for 8 warps).
+Heads: TH = 8 x head tiles (8 for GQA 4 and 8, 16 for GQA 16) are merged;
+with GQA 4 heads 4..7 are padding (q = 0) and are merged but never written
+(``G`` below is the real GQA, TH >= G). D = head_dim.
 
-Shared scratch per warp (fp32, ``WARP_SCRATCH`` floats)::
+Epilogue thread mapping (TH heads x D dims over the CTA): thread ``tid``
+owns head ``eh = tid // (D / E)``, dims ``ed .. ed + E - 1`` with
+``ed = (tid % (D / E)) * E`` and ``E = TH * D / threads`` (Flint, TH = 8,
+D = 128: 8 for 4 warps, 4 for 8 warps); E >= 4 (16-byte partial stores).
 
-    [head * 128 + dim]   O      (1024)
-    [1024 + head]        m      (8)
-    [1032 + head]        l      (8)
+Shared scratch per warp (fp32, ``warp_scratch(TH, D)`` floats)::
+
+    [head * D + dim]     O      (TH * D)
+    [TH * D + head]      m      (TH)
+    [TH * D + TH + head] l      (TH)
 
 Global split partials, row ``prow = (b * kv_heads + kvh) * splits + split``::
 
-    part_o[prow * 1024 + head * 128 + dim]   fp32
-    part_ml[prow * 16 + head]                m;  [prow * 16 + 8 + head]  l
+    part_o[prow * TH * D + head * D + dim]   fp32
+    part_ml[prow * 2 TH + head]              m;  [prow * 2 TH + TH + head]  l
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from cutlass import Float32, Int32, Int64
 from flintgen.device import ptx
 from flintgen.device.attn_ptx import lds_f32x4, selp_f32, sts_f32x2, stg_b16
 
-GQA = 8
-HEAD_DIM = 128
-WARP_SCRATCH = GQA * HEAD_DIM + 2 * GQA  # floats
 LOG2E = 1.4426950408889634
+
+
+def warp_scratch(tile_heads: int, head_dim: int) -> int:
+    """fp32 floats of one warp's CTA-combine scratch: O, then m and l per head."""
+    return tile_heads * head_dim + 2 * tile_heads
 
 
 @cute.jit
@@ -49,36 +55,44 @@ def _weight(m_r, scale_log2, m_s):
 
 
 @cute.jit
-def cta_combine(acc, m0, m1, l0, l1, scratch, warp, g, t, eh, ed, scale_log2, o,
-                NW: cutlass.Constexpr, E: cutlass.Constexpr):
+def cta_combine(acc, ml, scratch, warp, g, t, eh, ed, scale_log2, o,
+                NW: cutlass.Constexpr, E: cutlass.Constexpr, D: cutlass.Constexpr):
     """Merge the warps' partials through shared memory (``scratch``: the ring,
-    free once every warp has consumed its pages). ``acc``/``m``/``l`` per the
-    ``decode_mma`` layout, ``l`` already summed over the warp. Fills ``o`` (E
-    floats) and returns ``(m_cta, l_cta)`` for head ``eh``."""
+    free once every warp has consumed its slices). ``acc`` per the
+    ``decode_mma`` layout; ``ml`` = (m0, m1, l0, l1) per head tile, ``l``
+    already summed over the warp. Fills ``o`` (E floats) and returns
+    ``(m_cta, l_cta)`` for head ``eh``."""
+    T = len(ml) // 4
+    TH = 8 * T
+    WS = warp_scratch(TH, D)
+    MO = TH * D          # m offset in a warp's scratch; l follows at MO + TH
     cute.arch.sync_threads()
-    wbuf = scratch + warp * (WARP_SCRATCH * 4)
-    for j in cutlass.range_constexpr(8):
-        d0 = 64 * (j // 4) + 8 * g + 2 * (j % 4)
-        sts_f32x2(wbuf + ((2 * t) * HEAD_DIM + d0) * 4, acc[4 * j], acc[4 * j + 2])
-        sts_f32x2(wbuf + ((2 * t + 1) * HEAD_DIM + d0) * 4, acc[4 * j + 1], acc[4 * j + 3])
-    if g == 0:
-        sts_f32x2(wbuf + (1024 + 2 * t) * 4, m0, m1)
-        sts_f32x2(wbuf + (1032 + 2 * t) * 4, l0, l1)
+    wbuf = scratch + warp * (WS * 4)
+    for tl in cutlass.range_constexpr(T):
+        h0 = 8 * tl + 2 * t
+        ao = tl * (D // 4)
+        for j in cutlass.range_constexpr(D // 16):
+            d0 = 64 * (j // 4) + 8 * g + 2 * (j % 4)
+            sts_f32x2(wbuf + (h0 * D + d0) * 4, acc[ao + 4 * j], acc[ao + 4 * j + 2])
+            sts_f32x2(wbuf + ((h0 + 1) * D + d0) * 4, acc[ao + 4 * j + 1], acc[ao + 4 * j + 3])
+        if g == 0:
+            sts_f32x2(wbuf + (MO + h0) * 4, ml[4 * tl], ml[4 * tl + 1])
+            sts_f32x2(wbuf + (MO + TH + h0) * 4, ml[4 * tl + 2], ml[4 * tl + 3])
     cute.arch.sync_threads()
 
     m_cta = ptx.neg_inf()
     for w in cutlass.range_constexpr(NW):
-        m_cta = cute.arch.fmax(m_cta, ptx.lds_f32(scratch + (w * WARP_SCRATCH + 1024 + eh) * 4))
+        m_cta = cute.arch.fmax(m_cta, ptx.lds_f32(scratch + (w * WS + MO + eh) * 4))
     m_cta_s = m_cta * scale_log2
     l_cta = Float32(0.0)
     for e in cutlass.range_constexpr(E):
         o[e] = Float32(0.0)
     for w in cutlass.range_constexpr(NW):
-        base = scratch + w * (WARP_SCRATCH * 4)
-        wgt = _weight(ptx.lds_f32(base + (1024 + eh) * 4), scale_log2, m_cta_s)
-        l_cta = l_cta + wgt * ptx.lds_f32(base + (1032 + eh) * 4)
+        base = scratch + w * (WS * 4)
+        wgt = _weight(ptx.lds_f32(base + (MO + eh) * 4), scale_log2, m_cta_s)
+        l_cta = l_cta + wgt * ptx.lds_f32(base + (MO + TH + eh) * 4)
         for i in cutlass.range_constexpr(E // 4):
-            v = lds_f32x4(base + (eh * HEAD_DIM + ed + 4 * i) * 4)
+            v = lds_f32x4(base + (eh * D + ed + 4 * i) * 4)
             for j in cutlass.range_constexpr(4):
                 o[4 * i + j] = o[4 * i + j] + wgt * v[j]
     return m_cta, l_cta
@@ -106,15 +120,37 @@ def store_zeros(out_row, ed, E: cutlass.Constexpr):
 
 
 @cute.jit
-def publish_partial(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constexpr):
+def store_head(out_row, eh, ed, o, inv, E: cutlass.Constexpr, G: cutlass.Constexpr, TH: cutlass.Constexpr):
+    """``store_out`` for head ``eh`` of a TH-head tile: heads ``>= G`` are mma
+    padding (GQA 4 in a tile of 8) and are not written."""
+    if cutlass.const_expr(TH > G):
+        if eh < G:
+            store_out(out_row, ed, o, inv, E)
+    else:
+        store_out(out_row, ed, o, inv, E)
+
+
+@cute.jit
+def store_head_zeros(out_row, eh, ed, E: cutlass.Constexpr, G: cutlass.Constexpr, TH: cutlass.Constexpr):
+    """``store_zeros`` for head ``eh`` of a TH-head tile (padded heads skipped)."""
+    if cutlass.const_expr(TH > G):
+        if eh < G:
+            store_zeros(out_row, ed, E)
+    else:
+        store_zeros(out_row, ed, E)
+
+
+@cute.jit
+def publish_partial(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constexpr, D: cutlass.Constexpr,
+                    TH: cutlass.Constexpr):
     """Store this split's partial (``po_row``/``pml_row``: byte addresses of
     its part_o / part_ml rows)."""
-    po = po_row + (eh * HEAD_DIM + ed) * 4
+    po = po_row + (eh * D + ed) * 4
     for i in cutlass.range_constexpr(E // 4):
         ptx.stg_f32x4(po + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
     if ed == 0:
         ptx.stg_f32(pml_row + eh * 4, m_cta)
-        ptx.stg_f32(pml_row + (GQA + eh) * 4, l_cta)
+        ptx.stg_f32(pml_row + (TH + eh) * 4, l_cta)
 
 
 @cute.jit
@@ -132,41 +168,47 @@ def arrive(counter, flag, tid):
 
 
 @cute.jit
-def _load_round(vs, o_base, r0: cutlass.Constexpr, num_splits, RCH: cutlass.Constexpr, E: cutlass.Constexpr):
-    """Load splits ``r0 .. r0 + RCH`` of this thread's E dims into ``vs``;
-    rows past ``num_splits`` are zero and issue no load."""
+def _load_round(vs, o_base, r0: cutlass.Constexpr, num_splits, RCH: cutlass.Constexpr, E: cutlass.Constexpr,
+                ROW: cutlass.Constexpr):
+    """Load splits ``r0 .. r0 + RCH`` of this thread's E dims into ``vs``
+    (``ROW``: bytes per split row); rows past ``num_splits`` are zero and
+    issue no load."""
     for r in cutlass.range_constexpr(RCH):
         for k in cutlass.range_constexpr(E):
             vs[r * E + k] = Float32(0.0)
         if r0 + r < num_splits:
             for i in cutlass.range_constexpr(E // 4):
-                v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * (GQA * HEAD_DIM * 4) + 16 * i)
+                v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * ROW + 16 * i)
                 for j in cutlass.range_constexpr(4):
                     vs[r * E + 4 * i + j] = v[j]
 
 
 @cute.jit
 def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_log2, sink_s, out_row,
-                   o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr):
+                   o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
+                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
     """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
-    at ``po_base``/``pml_base`` (rows of split 0) and write the output.
+    at ``po_base``/``pml_base`` (rows of split 0) and write the output of the
+    real heads (``eh < G``; padded heads are merged, never stored).
 
-    ``ml_smem``: shared scratch of ``16 * NSPLIT + 16`` floats (m, l table,
+    ``ml_smem``: shared scratch of ``2 TH * NSPLIT + 2 TH`` floats (m, l table,
     then the per-head merged m * c and l)."""
+    MLR = 2 * TH        # floats per split row of the m / l table
     # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
     # thread; the first round is issued before the m / l staging to hide its
     # L2 latency behind it.
     RCH = min(NSPLIT, max(1, 128 // E))
-    o_base = po_base + (eh * HEAD_DIM + ed) * 4
+    o_base = po_base + (eh * D + ed) * 4
     vs = cute.make_rmem_tensor((RCH * E,), Float32)
     # Loads of splits past ``num_splits`` are skipped, not clamped: with a
     # 66-split variant and 8 active splits, clamped loads cost ~1.3 us at
     # B=1, L=1k (66 vs 8 static splits, same active count; H200 sweep).
-    _load_round(vs, o_base, 0, num_splits, RCH, E)
+    _load_round(vs, o_base, 0, num_splits, RCH, E, TH * D * 4)
     THREADS = 32 * NW
-    for i in cutlass.range_constexpr((NSPLIT * 4 + THREADS - 1) // THREADS):
+    Q4 = MLR // 4       # 16-byte loads per split row
+    for i in cutlass.range_constexpr((NSPLIT * Q4 + THREADS - 1) // THREADS):
         idx = tid + i * THREADS
-        if idx < num_splits * 4:
+        if idx < num_splits * Q4:
             v = ptx.ldg_cg_f32x4(pml_base + Int64(idx) * 16)
             for j in cutlass.range_constexpr(4):
                 ptx.sts_f32(ml_smem + (idx * 4 + j) * 4, v[j])
@@ -177,12 +219,12 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
     warp = tid // 32
     lane = tid % 32
     NL = (NSPLIT + 31) // 32
-    for hh in cutlass.range_constexpr(GQA // NW):
+    for hh in cutlass.range_constexpr(TH // NW):
         h = warp + hh * NW
         mloc = [Float32(0.0)] * NL
         for r in cutlass.range_constexpr(NL):
             sidx = lane + 32 * r
-            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * 16
+            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * MLR
             mloc[r] = selp_f32(ptx.lds_f32(ml_smem + (row + h) * 4), ptx.neg_inf(),
                                Int32(sidx < num_splits))  # fmt: skip
         mh = mloc[0]
@@ -194,82 +236,94 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
         lh = Float32(0.0)
         for r in cutlass.range_constexpr(NL):
             sidx = lane + 32 * r
-            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * 16
+            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * MLR
             ok = Int32(sidx < num_splits)
             wgt = _weight(mloc[r], scale_log2, mh_s)
-            lh = lh + wgt * selp_f32(ptx.lds_f32(ml_smem + (row + GQA + h) * 4), Float32(0.0), ok)
+            lh = lh + wgt * selp_f32(ptx.lds_f32(ml_smem + (row + TH + h) * 4), Float32(0.0), ok)
             if sidx < num_splits:
-                ptx.sts_f32(ml_smem + (row + GQA + h) * 4, wgt)
+                ptx.sts_f32(ml_smem + (row + TH + h) * 4, wgt)
         for off in cutlass.range_constexpr(5):
             lh = lh + cute.arch.shuffle_sync_bfly(lh, 1 << off)
         if lane == 0:
-            ptx.sts_f32(ml_smem + (NSPLIT * 16 + h) * 4, mh_s)
-            ptx.sts_f32(ml_smem + (NSPLIT * 16 + GQA + h) * 4, lh)
+            ptx.sts_f32(ml_smem + (NSPLIT * MLR + h) * 4, mh_s)
+            ptx.sts_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4, lh)
     cute.arch.sync_threads()
 
-    m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * 16 + eh) * 4)
-    l_all = ptx.lds_f32(ml_smem + (NSPLIT * 16 + GQA + eh) * 4)
+    m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + eh) * 4)
+    l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + eh) * 4)
     for e in cutlass.range_constexpr(E):
         o[e] = Float32(0.0)
     for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
         if cutlass.const_expr(r0 > 0):
             if r0 < num_splits:
-                _load_round(vs, o_base, r0, num_splits, RCH, E)
+                _load_round(vs, o_base, r0, num_splits, RCH, E, TH * D * 4)
         for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
-            row = cutlass.min(Int32(r0 + r), Int32(NSPLIT - 1)) * 16
-            wgt = selp_f32(ptx.lds_f32(ml_smem + (row + GQA + eh) * 4), Float32(0.0),
+            row = cutlass.min(Int32(r0 + r), Int32(NSPLIT - 1)) * MLR
+            wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + eh) * 4), Float32(0.0),
                            Int32(r0 + r < num_splits))  # fmt: skip
             for e in cutlass.range_constexpr(E):
                 o[e] = o[e] + wgt * vs[r * E + e]
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
-    store_out(out_row, ed, o, inv, E)
+    store_head(out_row, eh, ed, o, inv, E, G, TH)
 
 
 @cute.jit
 def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale_log2, out_b, so1,
-                   NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr):
+                   NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
+                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
     """Merge the splits of a (request, kv head) inside its cluster: every CTA
     sends rank r the dims ``[r * DPR, (r + 1) * DPR)`` of its partial O (plus
     m and l) through DSMEM; after one cluster barrier each rank merges all
-    splits for its dims and writes them.
+    splits for its dims and writes them (heads < G: TH - G heads are padding).
 
     ``cbuf`` (shared, per rank): ``[split][head][DPR]`` O, then m
-    ``[split][head]``, then l ``[split][head]`` (fp32). The caller has done
-    ``cluster_arrive_relaxed`` early; the wait here makes sure every peer is
-    running before its shared memory is written."""
-    DPR = HEAD_DIM // NSPLIT
-    M_OFF = NSPLIT * GQA * DPR
-    L_OFF = M_OFF + GQA * NSPLIT
+    ``[split][head]``, then l ``[split][head]`` (fp32, TH heads). The caller
+    has done ``cluster_arrive_relaxed`` early; the wait here makes sure every
+    peer is running before its shared memory is written."""
+    DPR = D // NSPLIT
+    M_OFF = NSPLIT * TH * DPR
+    L_OFF = M_OFF + TH * NSPLIT
     peer = ptx.mapa(cbuf, Int32(ed // DPR))
     cute.arch.cluster_wait()
-    dst = peer + ((rank * GQA + eh) * DPR + ed % DPR) * 4
+    dst = peer + ((rank * TH + eh) * DPR + ed % DPR) * 4
     for i in cutlass.range_constexpr(E // 4):
         ptx.st_cluster_f32x4(dst + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
     if ed % DPR == 0:
-        ptx.st_cluster_f32(peer + (M_OFF + rank * GQA + eh) * 4, m_cta)
-        ptx.st_cluster_f32(peer + (L_OFF + rank * GQA + eh) * 4, l_cta)
+        ptx.st_cluster_f32(peer + (M_OFF + rank * TH + eh) * 4, m_cta)
+        ptx.st_cluster_f32(peer + (L_OFF + rank * TH + eh) * 4, l_cta)
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
 
-    # This rank owns dims [rank * DPR, (rank + 1) * DPR) of all 8 heads: OPT
+    # This rank owns dims [rank * DPR, (rank + 1) * DPR) of all TH heads: OPT
     # consecutive dims of one head per thread.
-    OPT = GQA * DPR // (32 * NW)
+    OPT = TH * DPR // (32 * NW)
     h = tid * OPT // DPR
     dl = tid * OPT % DPR
     m_all = ptx.neg_inf()
     for r in cutlass.range_constexpr(NSPLIT):
-        m_all = cute.arch.fmax(m_all, ptx.lds_f32(cbuf + (M_OFF + r * GQA + h) * 4))
+        m_all = cute.arch.fmax(m_all, ptx.lds_f32(cbuf + (M_OFF + r * TH + h) * 4))
     m_all_s = m_all * scale_log2
     l_all = Float32(0.0)
     oo = [Float32(0.0)] * OPT
     for r in cutlass.range_constexpr(NSPLIT):
-        wgt = _weight(ptx.lds_f32(cbuf + (M_OFF + r * GQA + h) * 4), scale_log2, m_all_s)
-        l_all = l_all + wgt * ptx.lds_f32(cbuf + (L_OFF + r * GQA + h) * 4)
+        wgt = _weight(ptx.lds_f32(cbuf + (M_OFF + r * TH + h) * 4), scale_log2, m_all_s)
+        l_all = l_all + wgt * ptx.lds_f32(cbuf + (L_OFF + r * TH + h) * 4)
         for e in cutlass.range_constexpr(OPT):
-            oo[e] = oo[e] + wgt * ptx.lds_f32(cbuf + ((r * GQA + h) * DPR + dl + e) * 4)
-    sink_s = Float32(sinks[head0 + h]) * LOG2E
+            oo[e] = oo[e] + wgt * ptx.lds_f32(cbuf + ((r * TH + h) * DPR + dl + e) * 4)
+    if cutlass.const_expr(TH > G):
+        if h < G:
+            _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
+    else:
+        _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
+
+
+@cute.jit
+def _cluster_store(oo, m_all_s, l_all, sinks, head, out_b, so1, rank, dl, DPR: cutlass.Constexpr,
+                   OPT: cutlass.Constexpr):
+    """Normalize (sink included) and write OPT dims from ``rank * DPR + dl`` of q head ``head``."""
+    sink_s = Float32(sinks[head]) * LOG2E
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
-    dst_g = out_b + (Int64(head0 + h) * so1 + rank * DPR + dl) * 2
+    dst_g = out_b + (Int64(head) * so1 + rank * DPR + dl) * 2
     for e in cutlass.range_constexpr(0, OPT, 2):
         if cutlass.const_expr(e + 1 < OPT):
             ptx.stg_u32(dst_g + e * 2, ptx.bf16x2(oo[e] * inv, oo[e + 1] * inv))

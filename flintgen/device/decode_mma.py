@@ -1,68 +1,96 @@
-"""One warp's attention over one 16-token page: S = K q and O += P V with
+"""One warp's attention over one 16-token slice: S = K q and O += P V with
 ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate) and an online softmax.
 
 Provenance: the hand-written Flint decode kernel (shared/seeds/000_*.txt),
-``compute``, as a free function.
+``compute``, as a free function, generalized over head_dim ``D`` (64, 128)
+and head tiles.
 
-The 8 q heads of a kv head (GQA 8) are the mma's N = 8 columns, so one warp
-handles all of them at once. Lane ``(g, t) = (lane // 4, lane % 4)``.
+The q heads of a kv head are the mma's N = 8 columns, one *tile* of 8 heads
+per mma: GQA 8 is one tile; GQA 4 is one tile whose columns 4..7 have q = 0
+(their results are computed and never stored); GQA 16 is two tiles that share
+the slice's K/V fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
 
-* S^T[token, head] = K Q^T: M = 16 tokens, N = 8 heads, K = 128 dims in 8
+* S^T[token, head] = K Q^T: M = 16 tokens, N = 8 heads, K = D dims in D / 16
   k-steps. Any permutation of the dims works if A and B agree: k-step
   ``c = 2 i + h`` covers dims ``32 i + 8 t' + 4 h + 0..3`` (t' < 4), which is
-  what 16-byte shared/global loads give each lane. ``qf[4 i + j]`` = q head g,
-  dims ``32 i + 8 t + 2 j, +1``. Results: s0, s1 = token g, heads 2t, 2t+1;
-  s2, s3 = token g + 8.
+  what 16-byte shared/global loads give each lane. ``qf[QW tile + 4 i + j]``
+  (QW = D / 8) = q head 8 tile + g, dims ``32 i + 8 t + 2 j, +1``. Results:
+  s0, s1 = token g, heads 2t, 2t+1; s2, s3 = token g + 8.
 * Softmax (fp32): p = exp2(s * c - m * c), c = scale * log2(e), m the running
   max of the *unscaled* logits per head (so m0 / l0 belong to head 2t, m1 / l1
-  to head 2t + 1); l sums the fp32 p, P is rounded to bf16 for P V.
-* O^T[dim, head] += V^T P^T: M = 128 dims in 8 m-tiles, N = 8 heads, K = 16
+  to head 2t + 1 of the tile); l sums the fp32 p, P is rounded to bf16 for P V.
+* O^T[dim, head] += V^T P^T: M = D dims in D / 16 m-tiles, N = 8 heads, K = 16
   tokens. m-tile j, rows g / g + 8 are dims d0 / d0 + 1 with
-  ``d0 = 64 (j // 4) + 8 g + 2 (j % 4)``, so
-  ``acc[4 j + 0..3]`` = O[head 2t, d0], O[2t+1, d0], O[2t, d0+1], O[2t+1, d0+1].
+  ``d0 = 64 (j // 4) + 8 g + 2 (j % 4)``, so with AW = D / 4 accumulators
+  per tile ``acc[AW tile + 4 j + 0..3]`` = O[head 2t, d0], O[2t+1, d0],
+  O[2t, d0+1], O[2t+1, d0+1].
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Int32, Int64, Uint32
 
 from flintgen.device import ptx
 from flintgen.device.attn_ptx import selp_f32
 
-PAGE = 16
+SLICE = 16   # tokens per slice (the mma's M)
 
 
 @cute.jit
-def load_q(qf, q_row, t):
-    """``qf`` (16 x Uint32) <- q head g at global byte address ``q_row``, dims
-    ``32 i + 8 t .. +7`` (coherent loads: q is written by the previous kernel)."""
-    for i in cutlass.range_constexpr(4):
-        w = ptx.ldg_u32x4(q_row + (32 * i + 8 * t) * 2)
+def _load_q_head(qf, row, t, base: cutlass.Constexpr, D: cutlass.Constexpr):
+    for i in cutlass.range_constexpr(D // 32):
+        w = ptx.ldg_u32x4(row + (32 * i + 8 * t) * 2)
         for j in cutlass.range_constexpr(4):
-            qf[4 * i + j] = w[j]
+            qf[base + 4 * i + j] = w[j]
 
 
 @cute.jit
-def attend_page(frag, qf, acc, page, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t):
-    """Fold one page (fragments from ``paged_kv.load_page``) into ``acc`` and
-    the running (m, l); returns the new ``(m0, m1, l0, l1)``. ``l`` is this
-    lane's share (tokens g, g + 8); the caller sums it over g at the end."""
+def load_q(qf, q_row, head_bytes, g, t, D: cutlass.Constexpr, GQA: cutlass.Constexpr):
+    """Every head tile of one kv head: tile ``tl`` of ``qf`` (D / 8 words from
+    ``tl * D / 8``) <- q head ``8 tl + g``, dims ``32 i + 8 t .. +7``
+    (``q_row``: byte address of head g; ``head_bytes``: bytes between heads).
+    Coherent loads: q is written by the previous kernel. With GQA < 8 the
+    lanes of padded heads (g >= GQA) hold zeros and load nothing: the row
+    past the kv head's last q head may lie past the end of q."""
+    if cutlass.const_expr(GQA < 8):
+        for k in cutlass.range_constexpr(D // 8):
+            qf[k] = Uint32(0)
+        if g < GQA:
+            _load_q_head(qf, q_row, t, 0, D)
+    else:
+        _load_q_head(qf, q_row, t, 0, D)
+        for tl in cutlass.range_constexpr(1, GQA // 8):
+            _load_q_head(qf, q_row + Int64(8 * tl) * head_bytes, t, tl * (D // 8), D)
+
+
+@cute.jit
+def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
+                D: cutlass.Constexpr, TILE: cutlass.Constexpr):
+    """Fold sequence slice ``slc`` (fragments from ``paged_kv.load_page``) into head tile
+    ``TILE``'s accumulators and running (m, l); returns the new
+    ``(m0, m1, l0, l1)``. ``l`` is this lane's share (tokens g, g + 8); the
+    caller sums it over g at the end."""
+    KO = D // 8
+    VO = D // 4
+    VR = D // 16
+    QO = TILE * (D // 8)
+    AO = TILE * (D // 4)
     # Two accumulator chains (even / odd k-steps) halve the mma dependency chain.
     sa = [cutlass.Float32(0.0)] * 4
     sb = [cutlass.Float32(0.0)] * 4
-    for c in cutlass.range_constexpr(8):
+    for c in cutlass.range_constexpr(D // 16):
         i = c // 2
         h = c % 2
-        a = (frag[4 * i + 2 * h], frag[16 + 4 * i + 2 * h],
-             frag[4 * i + 2 * h + 1], frag[16 + 4 * i + 2 * h + 1])  # fmt: skip
+        a = (frag[4 * i + 2 * h], frag[KO + 4 * i + 2 * h],
+             frag[4 * i + 2 * h + 1], frag[KO + 4 * i + 2 * h + 1])  # fmt: skip
         if cutlass.const_expr(h == 0):
-            sa = ptx.mma_bf16_16816(sa, a, qf[4 * i + 2 * h], qf[4 * i + 2 * h + 1])
+            sa = ptx.mma_bf16_16816(sa, a, qf[QO + 4 * i + 2 * h], qf[QO + 4 * i + 2 * h + 1])
         else:
-            sb = ptx.mma_bf16_16816(sb, a, qf[4 * i + 2 * h], qf[4 * i + 2 * h + 1])
+            sb = ptx.mma_bf16_16816(sb, a, qf[QO + 4 * i + 2 * h], qf[QO + 4 * i + 2 * h + 1])
     ninf = ptx.neg_inf()
-    pos = page * PAGE + g
+    pos = slc * SLICE + g
     ok_lo = Int32((pos >= start_tok) & (pos < seq_len))
     ok_hi = Int32((pos + 8 >= start_tok) & (pos + 8 < seq_len))
     s0 = selp_f32(sa[0] + sb[0], ninf, ok_lo)
@@ -70,14 +98,14 @@ def attend_page(frag, qf, acc, page, start_tok, seq_len, scale_log2, m0, m1, l0,
     s2 = selp_f32(sa[2] + sb[2], ninf, ok_hi)
     s3 = selp_f32(sa[3] + sb[3], ninf, ok_hi)
 
-    # Max over the page's 16 tokens: tokens g live in lanes 4 g + t.
+    # Max over the slice's 16 tokens: tokens g live in lanes 4 g + t.
     mx0 = cute.arch.fmax(s0, s2)
     mx1 = cute.arch.fmax(s1, s3)
     for off in cutlass.range_constexpr(3):
         mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 4 << off))
         mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 4 << off))
-    # Every page of the range holds an attended token, so mn is finite and
-    # alpha = exp2(-inf) = 0 on the first page.
+    # Every slice of the range holds an attended token, so mn is finite and
+    # alpha = exp2(-inf) = 0 on the first slice.
     mn0 = cute.arch.fmax(m0, mx0)
     mn1 = cute.arch.fmax(m1, mx1)
     ms0 = mn0 * scale_log2
@@ -90,11 +118,11 @@ def attend_page(frag, qf, acc, page, start_tok, seq_len, scale_log2, m0, m1, l0,
     p3 = ptx.ex2(ptx.fma(s3, scale_log2, -ms1))
     l0 = l0 * alpha0 + (p0 + p2)
     l1 = l1 * alpha1 + (p1 + p3)
-    for j in cutlass.range_constexpr(8):
-        acc[4 * j] = acc[4 * j] * alpha0
-        acc[4 * j + 1] = acc[4 * j + 1] * alpha1
-        acc[4 * j + 2] = acc[4 * j + 2] * alpha0
-        acc[4 * j + 3] = acc[4 * j + 3] * alpha1
+    for j in cutlass.range_constexpr(D // 16):
+        acc[AO + 4 * j] = acc[AO + 4 * j] * alpha0
+        acc[AO + 4 * j + 1] = acc[AO + 4 * j + 1] * alpha1
+        acc[AO + 4 * j + 2] = acc[AO + 4 * j + 2] * alpha0
+        acc[AO + 4 * j + 3] = acc[AO + 4 * j + 3] * alpha1
 
     # P^T as the B operand: lane (g, t) needs P[head g][tokens 2t, 2t+1] (b0)
     # and [2t+8, 2t+9] (b1). Token 2t's heads 2t', 2t'+1 sit in lane
@@ -110,16 +138,18 @@ def attend_page(frag, qf, acc, page, start_tok, seq_len, scale_log2, m0, m1, l0,
     b0 = ptx.prmt(x0, x1, sel)
     b1 = ptx.prmt(y0, y1, sel)
 
-    for j in cutlass.range_constexpr(8):
+    for j in cutlass.range_constexpr(D // 16):
         hh = j // 4
         wi = j % 4
-        va = frag[32 + 4 * hh + wi]        # V token 2t,   dims d0, d0 + 1
-        vb = frag[32 + 8 + 4 * hh + wi]    # V token 2t+1
-        vc = frag[32 + 16 + 4 * hh + wi]   # V token 2t+8
-        vd = frag[32 + 24 + 4 * hh + wi]   # V token 2t+9
+        va = frag[VO + 4 * hh + wi]             # V token 2t,   dims d0, d0 + 1
+        vb = frag[VO + VR + 4 * hh + wi]        # V token 2t+1
+        vc = frag[VO + 2 * VR + 4 * hh + wi]    # V token 2t+8
+        vd = frag[VO + 3 * VR + 4 * hh + wi]    # V token 2t+9
         a = (ptx.prmt(va, vb, Uint32(0x5410)), ptx.prmt(va, vb, Uint32(0x7632)),
              ptx.prmt(vc, vd, Uint32(0x5410)), ptx.prmt(vc, vd, Uint32(0x7632)))  # fmt: skip
-        r = ptx.mma_bf16_16816((acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]), a, b0, b1)
+        r = ptx.mma_bf16_16816(
+            (acc[AO + 4 * j], acc[AO + 4 * j + 1], acc[AO + 4 * j + 2], acc[AO + 4 * j + 3]), a, b0, b1
+        )
         for k in cutlass.range_constexpr(4):
-            acc[4 * j + k] = r[k]
+            acc[AO + 4 * j + k] = r[k]
     return mn0, mn1, l0, l1

@@ -1,25 +1,31 @@
-"""Paged KV pages for decode attention: bulk-copy issue and mma fragments.
+"""Paged KV slices for decode attention: bulk-copy issue and mma fragments.
 
 Provenance: the hand-written Flint decode kernel (shared/seeds/000_*.txt),
-``issue`` and ``load_page``, split out as free functions.
+``issue`` and ``load_page``, split out as free functions and generalized over
+head_dim ``D`` (64, 128) and the cache page size (16, 32, 64 tokens).
 
-Cache layout (HND, bf16)::
+Cache layout (HND, bf16), ``PAGE`` tokens per block::
 
-    kv[block, kv_head, token, 0:128]    K
-    kv[block, kv_head, token, 128:256]  V
+    kv[block, kv_head, token, 0:D]     K
+    kv[block, kv_head, token, D:2D]    V
 
-One page of one kv head is 16 tokens x 512 B = 8 KB, contiguous (token
-stride 256 elements), so one 1-D bulk copy (TMA) moves it into a ring slot
-whose bytes keep that layout: ``slot + token * 512 + dim * 2`` (K),
-``slot + 256 + token * 512 + dim * 2`` (V).
+The streaming unit is a *slice* of 16 tokens (the mma's M): 16 x 4D bytes,
+8 KB at D = 128, 4 KB at D = 64. One (block, kv head) page is PAGE x 2D
+contiguous elements, so a page of 32 or 64 tokens is 2 or 4 consecutive
+slices: slice ``s`` of a sequence lives in block ``block_tables[s // SPP]``
+at byte offset ``(s % SPP) * slice_bytes`` (SPP = PAGE // 16). One 1-D bulk
+copy (TMA) moves a slice into a ring slot whose bytes keep that layout:
+``slot + token * 4D + dim * 2`` (K), ``slot + 2D + token * 4D + dim * 2`` (V).
 
 Lane ``(g, t) = (lane // 4, lane % 4)`` fragments after ``load_page``
-(64 x u32 = 128 bf16 per lane)::
+(D / 2 x u32 = D bf16 per lane; KO = D / 8, VO = D / 4, VR = D / 16)::
 
-    frag[16 r + 4 i + j]           K token g + 8 r, dims 32 i + 8 t + 2 j, +1
-                                   (r < 2, i < 4, j < 4)
-    frag[32 + 8 r + 4 h + j]       V token 2 t + r % 2 + 8 (r // 2),
-                                   dims 64 h + 8 g + 2 j, +1   (r < 4, h < 2)
+    frag[KO r + 4 i + j]           K token g + 8 r, dims 32 i + 8 t + 2 j, +1
+                                   (r < 2, i < D / 32, j < 4)
+    frag[VO + VR r + 4 h + j]      V token 2 t + r % 2 + 8 (r // 2),
+                                   dims 64 h + 8 g + 2 j, +1   (r < 4, h < D / 64)
+
+At D = 128 that is ``frag[16 r + 4 i + j]`` and ``frag[32 + 8 r + 4 h + j]``.
 """
 
 from __future__ import annotations
@@ -31,66 +37,99 @@ from cutlass import Int32, Int64, Uint32
 from flintgen.device import ptx
 from flintgen.device.attn_ptx import selp_u32
 
-PAGE = 16
-HEAD_DIM = 128
-ROW_BYTES = 2 * HEAD_DIM * 2       # one token: K | V, bf16
-PAGE_BYTES = PAGE * ROW_BYTES      # 8 KB
+SLICE = 16                         # tokens per streamed slice (mma M)
+
+
+def row_bytes(head_dim: int) -> int:
+    """Bytes of one token's K | V row (bf16)."""
+    return 4 * head_dim
+
+
+def slice_bytes(head_dim: int) -> int:
+    """Bytes of one 16-token slice: 8 KB at D = 128, 4 KB at D = 64."""
+    return SLICE * row_bytes(head_dim)
+
+
+def frag_words(head_dim: int) -> int:
+    """Uint32 fragment registers per lane for one slice (K and V): D / 2."""
+    return head_dim // 2
 
 
 @cute.jit
-def issue_page(kv_head, page_stride, blk, dst, mbar, lane):
-    """Lane 0 bulk-copies page ``blk`` of this kv head into the slot at shared
-    address ``dst``, completing 8 KB on ``mbar``.
+def issue_page(kv_head, page_stride, blk, dst, mbar, lane, NBYTES: cutlass.Constexpr):
+    """Lane 0 bulk-copies the slice at ``kv_head + blk * page_stride`` into
+    the slot at shared address ``dst``, completing ``NBYTES`` on ``mbar``.
 
-    ``kv_head``: global byte address of ``kv[0, kv_head]``; ``page_stride``:
+    ``kv_head``: global byte address of ``kv[0, kv_head]`` (plus the slice's
+    offset inside its page when pages hold several slices); ``page_stride``:
     bytes between blocks (``kv.stride(0) * 2``); ``blk``: block id (Uint32).
     """
     if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(mbar, PAGE_BYTES)
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar, NBYTES)
         ptx.bulk_copy_g2s(
-            dst, kv_head + Int64(blk) * page_stride, ptx.smem_addr(mbar), Int32(PAGE_BYTES)
+            dst, kv_head + Int64(blk) * page_stride, ptx.smem_addr(mbar), Int32(NBYTES)
         )
 
 
 @cute.jit
 def block_ids(bt_warp, stride_pages, first, n_w, lane):
-    """Block ids of this warp's pages ``first + lane`` (lane < 32): lane ``l``
-    holds the block of the warp's page number ``first + l``, 0 past ``n_w``.
+    """Block ids of this warp's slices ``first + lane`` (lane < 32) when every
+    slice is a whole page (16-token pages): lane ``l`` holds the block of the
+    warp's slice number ``first + l``, 0 past ``n_w``.
 
-    ``bt_warp``: byte address of the block-table entry of the warp's page 0;
-    consecutive warp pages are ``stride_pages`` entries apart.
+    ``bt_warp``: byte address of the block-table entry of the warp's slice 0;
+    consecutive warp slices are ``stride_pages`` entries apart.
     """
     k = first + lane
     return ptx.ldg_u32_pred(bt_warp + Int64(stride_pages * k) * 4, Int32(k < n_w))
 
 
 @cute.jit
-def load_page(frag, slot, page, start_tok, seq_len, g, t):
-    """Fill ``frag`` (64 x Uint32, layout in the module docstring) from the
-    ring slot at shared address ``slot`` holding page number ``page``.
+def block_ids_sliced(bt_row, slice0, stride, first, n_w, lane, SPP: cutlass.Constexpr):
+    """``block_ids`` for pages of ``SPP`` > 1 slices: lane ``l`` holds the
+    block of the warp's slice number ``k = first + l``, i.e. of sequence slice
+    ``slice0 + stride * k``: table entry ``(slice0 + stride * k) // SPP``.
+
+    ``bt_row``: byte address of ``block_tables[b, 0]``. Neighbouring lanes
+    often read the same entry (stride < SPP); those loads coalesce.
+    """
+    k = first + lane
+    entry = (slice0 + stride * k) // SPP
+    return ptx.ldg_u32_pred(bt_row + Int64(entry) * 4, Int32(k < n_w))
+
+
+@cute.jit
+def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
+    """Fill ``frag`` (D / 2 x Uint32, layout in the module docstring) from the
+    ring slot at shared address ``slot`` holding sequence slice ``slc``
+    (tokens ``16 slc ..``).
 
     V rows of tokens outside ``[start_tok, seq_len)`` are zeroed: their
     probabilities are 0, but stale cache contents (NaN, Inf) would still turn
     0 * V into NaN in P V. Masked K rows need nothing: their scores are
     replaced by -inf.
     """
+    ROW = 4 * D
+    KO = D // 8
+    VO = D // 4
+    VR = D // 16
     for r in cutlass.range_constexpr(2):
-        for i in cutlass.range_constexpr(4):
-            w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW_BYTES + (32 * i + 8 * t) * 2)
+        for i in cutlass.range_constexpr(D // 32):
+            w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW + (32 * i + 8 * t) * 2)
             for j in cutlass.range_constexpr(4):
-                frag[16 * r + 4 * i + j] = w[j]
-    vbase = slot + HEAD_DIM * 2
+                frag[KO * r + 4 * i + j] = w[j]
+    vbase = slot + D * 2
     for r in cutlass.range_constexpr(4):
         tok = 2 * t + (r % 2) + 8 * (r // 2)
-        for h in cutlass.range_constexpr(2):
-            w = ptx.lds_u32x4(vbase + tok * ROW_BYTES + (64 * h + 8 * g) * 2)
+        for h in cutlass.range_constexpr(D // 64):
+            w = ptx.lds_u32x4(vbase + tok * ROW + (64 * h + 8 * g) * 2)
             for j in cutlass.range_constexpr(4):
-                frag[32 + 8 * r + 4 * h + j] = w[j]
-    p0 = page * PAGE
-    if (p0 < start_tok) | (p0 + PAGE > seq_len):
+                frag[VO + VR * r + 4 * h + j] = w[j]
+    p0 = slc * SLICE
+    if (p0 < start_tok) | (p0 + SLICE > seq_len):
         zero = Uint32(0)
         for r in cutlass.range_constexpr(4):
             pos = p0 + 2 * t + (r % 2) + 8 * (r // 2)
             ok = Int32((pos >= start_tok) & (pos < seq_len))
-            for j in cutlass.range_constexpr(8):
-                frag[32 + 8 * r + j] = selp_u32(frag[32 + 8 * r + j], zero, ok)
+            for j in cutlass.range_constexpr(VR):
+                frag[VO + VR * r + j] = selp_u32(frag[VO + VR * r + j], zero, ok)

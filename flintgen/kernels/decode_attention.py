@@ -37,6 +37,14 @@ from flintgen.spec import Spec
 LOG2E = 1.4426950408889634
 
 
+def _gqa(spec: Spec) -> int:
+    """q heads per kv head on one rank. Not ``spec.gqa`` (the model's ratio):
+    when tensor parallelism replicates kv heads (tp_size > num_kv_heads) a
+    rank holds fewer q heads per kv head, e.g. 32 q / 4 kv at TP 8 gives
+    4 q heads and 1 kv head per rank."""
+    return spec.q_heads_per_rank // spec.kv_heads_per_rank
+
+
 def _layer_kinds(spec: Spec) -> list[bool]:
     """``sliding`` flags of the layer kinds the spec has (sliding first)."""
     return [s for s, present in ((True, spec.has_sliding), (False, spec.has_full)) if present]
@@ -45,14 +53,14 @@ def _layer_kinds(spec: Spec) -> list[bool]:
 def _configs(spec: Spec, target: Target, sliding: bool) -> dict[int, dac.DecodeAttentionConfig]:
     return dac.all_configs(
         max_batch=spec.max_batch, num_kv_heads=spec.kv_heads_per_rank, sliding=sliding,
-        window=spec.sliding_window if sliding else None, head_dim=spec.head_dim, gqa=spec.gqa,
+        window=spec.sliding_window if sliding else None, head_dim=spec.head_dim, gqa=_gqa(spec),
         page_size=spec.page_size, num_sms=target.num_sms,
     )  # fmt: skip
 
 
 def _variant(spec: Spec, sliding: bool, cfg: dac.DecodeAttentionConfig) -> Variant:
     return Variant.of(
-        "decode_attention", kv_heads=spec.kv_heads_per_rank, gqa=spec.gqa, head_dim=spec.head_dim,
+        "decode_attention", kv_heads=spec.kv_heads_per_rank, gqa=_gqa(spec), head_dim=spec.head_dim,
         page_size=spec.page_size, sliding=sliding, **cfg.as_params(),
     )  # fmt: skip
 
@@ -60,7 +68,8 @@ def _variant(spec: Spec, sliding: bool, cfg: dac.DecodeAttentionConfig) -> Varia
 class DecodeAttentionDef(KernelDef):
     name = "decode_attention"
     template = "decode_attention.py.j2"
-    description = "split-KV paged decode attention with sinks and sliding window (GQA 8, d 128, page 16)"
+    description = ("split-KV paged decode attention with sinks and sliding window "
+                   "(GQA 4/8/16, head_dim 64/128, page 16/32/64)")
     required_ptx = (
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
         "mbarrier.try_wait.parity",
@@ -71,7 +80,7 @@ class DecodeAttentionDef(KernelDef):
     )
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
-        dac.check_supported(head_dim=spec.head_dim, gqa=spec.gqa, page_size=spec.page_size)
+        dac.check_supported(head_dim=spec.head_dim, gqa=_gqa(spec), page_size=spec.page_size)
         out: list[Variant] = []
         for sliding in _layer_kinds(spec):
             for cfg in dict.fromkeys(_configs(spec, target, sliding).values()):
@@ -83,7 +92,8 @@ class DecodeAttentionDef(KernelDef):
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
         p = dict(variant.params)
         cfg = dac.DecodeAttentionConfig(
-            p["num_splits"], p["num_warps"], p["num_stages"], p["min_pages"], p["cluster"], p["ctas_per_sm"]
+            p["num_splits"], p["num_warps"], p["num_stages"], p["min_pages"], p["cluster"], p["ctas_per_sm"],
+            p["head_dim"], p["gqa"],
         )
         pad = 0
         if cfg.ctas_per_sm:
@@ -111,17 +121,18 @@ class DecodeAttentionOp:
 
     Paged decode attention with sinks, one query token per request, on the
     current CUDA stream with programmatic dependent launch. Shapes (B requests,
-    Hq = spec q heads per rank, Hkv = Hq / 8 kv heads, D = 128):
+    Hq = spec q heads per rank, Hkv = spec kv heads per rank, Hq / Hkv in
+    {4, 8, 16}, D = head_dim in {64, 128}, P = page_size in {16, 32, 64}):
 
     * ``q``: [B, Hq, D] bf16; last dim contiguous, row strides multiples of 8
       elements, 16-byte aligned (a view into a fused qkv output is fine).
-    * ``kv_cache``: [num_blocks, Hkv, 16, 2 * D] bf16 HND cache, K in
+    * ``kv_cache``: [num_blocks, Hkv, P, 2 * D] bf16 HND cache, K in
       ``[..., :D]`` and V in ``[..., D:]``; each (block, kv head) page of
-      16 x 2D contiguous, block / head strides multiples of 8, 16-byte aligned.
+      P x 2D contiguous, block / head strides multiples of 8, 16-byte aligned.
     * ``block_tables``: [B, max_blocks] int32, last dim contiguous; entries of
       the attended pages must be valid block ids (others are never read).
     * ``seq_lens``: [B] int32 KV lengths including the current token; 0 writes
-      zeros; values above ``max_blocks * 16`` are clamped to it.
+      zeros; values above ``max_blocks * P`` are clamped to it.
     * ``sinks``: [Hq] fp32 sink logits, or None when the spec has no sinks (a
       per-device -inf buffer is used: exp2(-inf) adds nothing).
     * ``window``: None for full attention, else attend to the last ``window``
@@ -145,6 +156,7 @@ class DecodeAttentionOp:
         self._load = load
         self.q_heads = spec.q_heads_per_rank
         self.kv_heads = spec.kv_heads_per_rank
+        self.gqa = _gqa(spec)
         self.head_dim = spec.head_dim
         self.page = spec.page_size
         self._configs = {s: _configs(spec, target, s) for s in _layer_kinds(spec)}
@@ -278,7 +290,8 @@ class DecodeAttentionOp:
                                        "which must not be inside a CUDA-graph capture: call op.warmup(device) "
                                        "(or flintgen.warmup(spec)) before capturing")
                 n = max(self._max_partials, 1)
-                g, d = self.spec.gqa, self.head_dim
+                # Partials cover the padded head tiles (GQA 4 computes 8 heads).
+                g, d = dac.tile_heads(self.gqa), self.head_dim
                 ws = _Workspace(
                     torch.empty(n * g * d, dtype=torch.float32, device=device),
                     torch.empty(n * 2 * g, dtype=torch.float32, device=device),

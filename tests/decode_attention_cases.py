@@ -1,0 +1,118 @@
+"""Inputs and checks shared by the decode-attention tests (GPU launches and
+the CPU emulator, tests/da_emulator.py).
+
+Error figures are appended to the file named by FLINTGEN_DA_RESULTS (one
+line per checked case) when it is set.
+"""
+
+import os
+import random
+
+import torch
+
+from flintgen.references.decode_attention import (
+    decode_attention_ref,
+    decode_attention_seed_rounding,
+    rel_error,
+)
+
+SLICE = 16          # tokens the kernel streams per ring slot, whatever the page size
+_RESULTS = os.environ.get("FLINTGEN_DA_RESULTS")
+
+
+def record(line: str) -> None:
+    print(line)
+    if _RESULTS:
+        with open(_RESULTS, "a") as f:
+            f.write(line + "\n")
+
+
+class Case:
+    """Random inputs for one launch (on ``device``) of a spec's shape: q
+    [B, Hq, D], HND cache [blocks, Hkv, page, 2D], block tables, seq_lens.
+
+    Block tables are random permutations of the cache's blocks. Everything
+    the kernel must not read is NaN: block 0 (the padding id of unused table
+    columns), positions past seq_len in the last page, positions before the
+    window in its first page and whole pages before it. A stale or
+    out-of-range read therefore shows up as NaN in the output.
+    """
+
+    def __init__(self, spec, lens, window, *, seed=0, extra_cols=3, q_scale=1.5, device="cuda"):
+        g = torch.Generator(device=device).manual_seed(seed)
+        rnd = random.Random(seed)
+        self.spec, self.window = spec, window
+        hq, hkv = spec.q_heads_per_rank, spec.kv_heads_per_rank
+        d, page = spec.head_dim, spec.page_size
+        b = len(lens)
+        pages = [-(-n // page) for n in lens]
+        width = max(pages + [1]) + extra_cols
+        nblocks = sum(pages) + 2
+        ids = list(range(1, nblocks))
+        rnd.shuffle(ids)
+        kv = torch.randn(nblocks, hkv, page, 2 * d, generator=g, device=device).bfloat16()
+        bt = torch.zeros(b, width, dtype=torch.int32)
+        dead = [0]
+        for i, n in enumerate(lens):
+            row = [ids.pop() for _ in range(pages[i])]
+            bt[i, :pages[i]] = torch.tensor(row, dtype=torch.int32)
+            if n == 0:
+                continue
+            start = max(n - window, 0) if window is not None else 0
+            dead += row[:start // page]
+            if start % page:
+                kv[row[start // page], :, :start % page] = float("nan")
+            if n % page:
+                kv[row[-1], :, n % page:] = float("nan")
+        kv[torch.tensor(dead, device=device)] = float("nan")
+        self.kv = kv
+        self.bt = bt.to(device)
+        self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self.q = (torch.randn(b, hq, d, generator=g, device=device) * q_scale).bfloat16()
+        self.sinks = (torch.randn(hq, generator=g, device=device) * 2).float() if spec.sinks else None
+        self.scale = spec.scale
+
+    def args(self, out):
+        return (self.q, self.kv, self.bt, self.lens, self.sinks, self.window, self.scale, out)
+
+    def poisoned_out(self):
+        return torch.full_like(self.q, float("nan"))
+
+    def check(self, out, label, *, kv=None, tol=1e-2):
+        """Finite, exact zeros for seq_len 0, and the error vs the fp64
+        reference <= tol and <= 2x the seed-rounding torch error. Returns
+        (err_kernel, err_torch)."""
+        out = out.to(self.q.device)
+        assert torch.isfinite(out).all(), f"{label}: non-finite output"
+        zero = self.lens == 0
+        assert (out[zero] == 0).all(), f"{label}: seq_len 0 rows are not exact zeros"
+        live = ~zero
+        if not live.any():
+            return 0.0, 0.0
+        a = (self.q, self.kv if kv is None else kv, self.bt, self.lens, self.sinks, self.window, self.scale)
+        ref = decode_attention_ref(*a)
+        tor = decode_attention_seed_rounding(*a)
+        ek = rel_error(out[live], ref[live])
+        et = rel_error(tor[live], ref[live])
+        record(f"{label}: err {ek:.3e} torch-seed-rounding {et:.3e} ratio {ek / max(et, 1e-30):.2f}")
+        assert ek <= tol, f"{label}: relative error {ek:.3e} > {tol}"
+        assert ek <= 2 * et + 1e-6, f"{label}: error {ek:.3e} above 2x the torch one ({et:.3e})"
+        return ek, et
+
+
+def lens_for(cfg, b, sliding, window, rnd, page=16, cap=None):
+    """Mixed seq_lens for one batch: edge lengths (of 16-token slices and of
+    ``page``-token pages) plus lengths that activate every split of ``cfg``
+    (one long request at least). Lengths are capped at ``cap`` (default
+    4M / b tokens: bounds the cache size)."""
+    pages = [page - 1, page, page + 1] if page != SLICE else []
+    if sliding:
+        pool = [0, 1, 15, 16, 17, window - 1, window, window + 1, window + 17, 300, 1000, 2049] + pages
+        full = window + 40
+    else:
+        full = cfg.num_splits * cfg.num_warps * cfg.min_pages * SLICE   # all splits active from here
+        pool = [0, 1, 15, 16, 17, 33, 100, full - 1, full, full + 17, rnd.randint(1, full)] + pages
+    cap = cap or max(4_000_000 // b, 1)
+    lens = [min(rnd.choice(pool), cap) for _ in range(b)]
+    lens[0] = min(full + rnd.randint(0, 40), cap)
+    return lens

@@ -1,0 +1,433 @@
+"""Decode attention beyond Flint's shape: GQA 4 / 8 / 16, head_dim 64 / 128,
+pages of 16 / 32 / 64 tokens, sinks on / off, window on / off.
+
+* CPU: heuristics for every shape, per-rank GQA, rejections, rendered
+  source, compiles of a representative variant set per (GQA, head_dim,
+  page) (``compile``), and the CPU emulator (tests/da_emulator.py) running
+  the generated kernel on small cases of the new shapes.
+* GPU (``gpu``): every (GQA, head_dim, page) x sinks x window with a small
+  and a large batch, edge and mixed lengths, permuted block tables and
+  poisoned outputs; gpt-oss-20b at TP 1 / 2 / 8; CUDA-graph replay, strided
+  q / out with padded heads. The variants they use are compiled up front in
+  parallel (``precompiled``), so the GPU sits idle for as short as possible.
+
+gpt-oss-20b (the spec below): hidden 2880, 64 q / 8 kv heads of 64, sinks,
+window 128 on alternating layers: per rank 64/8, 32/4 and 8/1 heads at TP 1,
+2 and 8 (all GQA 8).
+"""
+
+import random
+
+import pytest
+import torch
+
+from flintgen import cache, codegen
+from flintgen.configs import decode_attention_config as dac
+from flintgen.kernels.base import Target
+from flintgen.kernels.decode_attention import DecodeAttentionDef
+from flintgen.presets import FLINT
+
+from decode_attention_cases import Case, lens_for, record
+
+KDEF = DecodeAttentionDef()
+T132 = Target("sm_90a", 132)
+SHAPES = [(g, d, p) for g in (4, 8, 16) for d in (64, 128) for p in (16, 32, 64)]
+# gpt-oss-20b's attention shape (other fields are Flint's: decode attention
+# reads only heads, head_dim, page size, sinks and the layer kinds).
+GPT_OSS = FLINT.replace(name="gpt-oss-20b", hidden_size=2880, num_q_heads=64, num_kv_heads=8, head_dim=64,
+                        sinks=True, sliding_window=128)
+GPT_OSS_TP = {tp: GPT_OSS.replace(name=f"gpt-oss-20b-tp{tp}", tp_size=tp) for tp in (1, 2, 8)}
+
+
+def shape_spec(gqa, head_dim, page, *, sinks=True, kv=2, max_batch=64):
+    return FLINT.replace(name=f"g{gqa}-d{head_dim}-p{page}-{'sinks' if sinks else 'nosinks'}-kv{kv}",
+                         num_q_heads=gqa * kv, num_kv_heads=kv, head_dim=head_dim, page_size=page, sinks=sinks,
+                         max_batch=max_batch)
+
+
+def _sid(shape):
+    return "g{}-d{}-p{}".format(*shape)
+
+
+def _no_load(v):
+    raise AssertionError("no kernel load expected")
+
+
+# ----------------------------------------------------------------- heuristics
+@pytest.mark.parametrize("gqa, head_dim, page", SHAPES, ids=[_sid(s) for s in SHAPES])
+def test_configs_valid_for_every_shape(gqa, head_dim, page):
+    for kv in (1, 2, 4, 8):
+        for sms in (132, 114):
+            for sliding, window in ((True, 128), (True, 4096), (False, None)):
+                cfgs = dac.all_configs(max_batch=256, num_kv_heads=kv, sliding=sliding, window=window,
+                                       head_dim=head_dim, gqa=gqa, page_size=page, num_sms=sms)
+                for b, c in cfgs.items():       # __post_init__ validated smem, epilogue and merge mapping
+                    assert (c.head_dim, c.gqa) == (head_dim, gqa)
+                    assert c.cluster == (sliding and window == 128 and b * kv <= 64)
+                    assert c.scratch_bytes <= c.ring_bytes and c.dims_per_thread >= 4
+                    if c.ctas_per_sm:
+                        assert c.ring_bytes <= dac.SMEM_PER_SM // c.ctas_per_sm
+                assert dac.max_partials(cfgs, kv) <= 2 * sms
+
+
+@pytest.mark.parametrize("gqa, page", [(4, 16), (16, 16), (8, 32), (8, 64), (16, 64)])
+def test_head_dim_128_keeps_the_flint_choices(gqa, page):
+    """GQA and page size do not change what a launch streams (16-token, 8 KB
+    slices), so head_dim 128 keeps the measured Flint rule."""
+    for kv in (1, 4, 8):
+        for sliding in (True, False):
+            kw = dict(max_batch=256, num_kv_heads=kv, sliding=sliding, window=128 if sliding else None,
+                      head_dim=128, num_sms=132)
+            flint = dac.all_configs(gqa=8, page_size=16, **kw)
+            other = dac.all_configs(gqa=gqa, page_size=page, **kw)
+            assert [c.as_params() for c in other.values()] == [c.as_params() for c in flint.values()]
+
+
+def _cfg64(batch, kv, sliding, gqa=8):
+    c = dac.launch_config(batch=batch, num_kv_heads=kv, sliding=sliding, window=128 if sliding else None,
+                          head_dim=64, gqa=gqa, page_size=16, num_sms=132)
+    return c.num_splits, c.num_warps, c.num_stages, c.min_pages, c.cluster, c.ctas_per_sm
+
+
+def test_head_dim_64_rule():
+    """head_dim 64 (4 KB slices): 4-warp CTAs, twice the stages and min_pages
+    of the large-batch rule, clusters of 4 where 8 ranks cannot split 64 dims."""
+    # gpt-oss TP 1 (8 kv heads): batch 1 = 8 pairs
+    assert _cfg64(1, 8, False) == (33, 4, 4, 1, False, 2)
+    assert _cfg64(2, 8, False) == (16, 4, 4, 4, False, 2)      # 16 pairs: 4 stages
+    assert _cfg64(8, 8, False) == (4, 4, 6, 4, False, 2)       # 64 pairs: 6 stages
+    assert _cfg64(64, 8, False) == (1, 4, 6, 4, False, 2)
+    assert _cfg64(1, 1, False) == (264, 4, 4, 1, False, 2)     # gpt-oss TP 8, batch 1
+    assert _cfg64(1, 8, True) == (4, 4, 2, 1, True, 0)         # 8 ranks -> 4: 8 dims x 8 heads < 128 threads
+    assert _cfg64(8, 8, True) == (4, 4, 3, 1, True, 0)
+    assert _cfg64(9, 8, True) == (1, 4, 3, 1, False, 0)
+    assert _cfg64(1, 8, True, gqa=16) == (8, 4, 2, 1, True, 0)  # 16 heads: 8 ranks fit
+
+
+def test_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="2 dims per thread for 8 heads x 64 dims; the epilogue needs >= 4"):
+        dac.DecodeAttentionConfig(16, 8, 2, 1, False, 1, 64, 8)
+    with pytest.raises(ValueError, match="cluster merge needs 2, 4 or 8 splits whose 64 / splits dims"):
+        dac.DecodeAttentionConfig(8, 4, 2, 1, True, 0, 64, 8)
+    assert dac.DecodeAttentionConfig(8, 4, 2, 1, True, 0, 64, 16).cluster
+
+
+# ----------------------------------------------------------------- variants and validation
+@pytest.mark.parametrize("spec, q, kv, gqa", [
+    (GPT_OSS_TP[1], 64, 8, 8), (GPT_OSS_TP[2], 32, 4, 8), (GPT_OSS_TP[8], 8, 1, 8),
+    (FLINT.replace(tp_size=8), 4, 1, 4),         # kv replicated: 4 q heads per kv head on a rank
+    (FLINT.replace(num_q_heads=64, num_kv_heads=4, tp_size=8), 8, 1, 8),
+])
+def test_per_rank_gqa(spec, q, kv, gqa):
+    assert (spec.q_heads_per_rank, spec.kv_heads_per_rank) == (q, kv)
+    vs = KDEF.variants(spec, T132)
+    assert {(v["gqa"], v["kv_heads"], v["head_dim"]) for v in vs} == {(gqa, kv, spec.head_dim)}
+    op = KDEF.bind(spec, T132, _no_load)
+    for sliding in (True, False):
+        assert set(op._variants[sliding]) == set(range(1, spec.max_batch + 1))
+
+
+def test_rejects_wrong_cache_shape_for_the_spec():
+    spec = shape_spec(16, 64, 32)
+    op = KDEF.bind(spec, T132, _no_load)
+    q = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    a = [q, torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.int32),
+         torch.zeros(2, dtype=torch.int32), torch.zeros(32), 128, 0.125, torch.zeros_like(q)]
+    with pytest.raises(ValueError, match=r"kv_cache must be the HND cache \[num_blocks, 2, 32, 128\] \(kv heads, "
+                                         r"page size, K \| V of head_dim 64\), got \(8, 2, 16, 128\)"):
+        op(*a)
+    a[1] = torch.zeros(8, 2, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        op(*a)
+
+
+@pytest.mark.parametrize("gqa, head_dim, page", SHAPES, ids=[_sid(s) for s in SHAPES])
+def test_rendered_source_follows_the_shape(gqa, head_dim, page):
+    spec = shape_spec(gqa, head_dim, page)
+    for v in KDEF.variants(spec, T132)[:3] + KDEF.variants(spec, T132)[-2:]:
+        src = codegen.render(v.kernel, KDEF.template, dict(KDEF.render_params(spec, v)))
+        assert f"HEAD_DIM = {head_dim}\n" in src and f"GQA = {gqa}\n" in src and f"PAGE = {page}\n" in src
+        assert ("block_ids_sliced" in src) == (page > 16)
+        assert ("m2, m3, l2, l3 = decode_mma.attend_page" in src) == (gqa == 16)
+        assert ("cutlass.min(eh, Int32(GQA - 1))" in src) == (gqa < 8 and not v["cluster"])
+        if v["ctas_per_sm"]:
+            ring = v["num_warps"] * v["num_stages"] * dac.slice_bytes(head_dim)
+            pad = KDEF.render_params(spec, v)["pad_bytes"]
+            assert (ring + pad) * (v["ctas_per_sm"] + 1) > dac.SMEM_PER_SM
+
+
+# ----------------------------------------------------------------- compile
+def _compile_cases():
+    """Per (GQA, head_dim, page): the first (smallest-batch) variant of each
+    family (sliding / full, cluster, warps, split or not) at 4 kv heads, plus
+    the register-heaviest split counts (1 kv head, batch 1)."""
+    out = []
+    for shape in SHAPES:
+        spec = shape_spec(*shape, kv=4)
+        op = KDEF.bind(spec, T132, _no_load)
+        fams = {}
+        for sliding in (True, False):
+            for v in op._variants[sliding].values():
+                fams.setdefault((sliding, v["cluster"], v["num_warps"], v["num_splits"] > 1), v)
+        out += [pytest.param(spec, v, id=f"{_sid(shape)}-{v.name[len('decode_attention-'):]}")
+                for v in fams.values()]
+    for spec in (GPT_OSS_TP[8], shape_spec(16, 128, 16, kv=1), shape_spec(16, 64, 64, kv=1)):
+        v = KDEF.bind(spec, T132, _no_load)._variants[False][1]
+        out.append(pytest.param(spec, v, id=f"{spec.name}-b1-{v.name[len('decode_attention-'):]}"))
+    return out
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec, variant", _compile_cases())
+def test_variant_compiles_clean(spec, variant):
+    """No spills, no stack, no local memory; the design's instructions are there."""
+    from flintgen.runtime import load_variant
+
+    load_variant(KDEF, spec, variant, T132)   # default cache root: reused across runs
+    entry = cache.make_entry(variant, KDEF.template, dict(KDEF.render_params(spec, variant)), T132)
+    res = cache.read_meta(entry)["resources"]
+    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
+    assert res["stack_bytes"] == 0 and not res["local_memory"], res
+    assert res["registers"] is not None and res["registers"] <= 255, res
+    with open(entry.path("kernel.ptx")) as f:
+        ptx = f.read()
+    for need in KDEF.required_ptx:
+        assert need in ptx, need
+    assert ("mapa.shared::cluster" in ptx) == variant["cluster"]
+    assert ("atom.acq_rel.gpu.global.add.s32" in ptx) == (variant["num_splits"] > 1 and not variant["cluster"])
+    record(f"compile {spec.name} {variant.name}: {res['registers']} registers")
+
+
+# ----------------------------------------------------------------- shared GPU / emulator body
+def edge_lens(page, window=128):
+    """seq_len 0, 1, slice and page boundaries, window boundaries."""
+    raw = [0, 1, 2, 15, 16, 17, page - 1, page, page + 1, 2 * page + 1, window - 1, window, window + 1,
+           window + page - 1, window + page, window + page + 1, 255, 256, 257, 1000, 1025]
+    return list(dict.fromkeys(raw))
+
+
+def run_shape(op, spec, device, plan, *, seed=0, cap=None, tag=""):
+    """Launch ``op`` for every (window, batch) of ``plan``: mixed lengths that
+    activate every split of the batch's config, the edge lengths in the
+    larger batches, fresh inputs and a poisoned output each time."""
+    rnd = random.Random(seed)
+    edges = edge_lens(spec.page_size)
+    for window, b in plan:
+        cfg = op.config(b, window is not None)
+        lens = lens_for(cfg, b, window is not None, 128, rnd, spec.page_size, cap)
+        if b > len(edges):
+            lens[1:1 + len(edges)] = edges
+        case = Case(spec, lens, window, seed=seed + b + (window or 0), device=device)
+        out = case.poisoned_out()
+        op(*case.args(out))
+        case.check(out, f"{tag}{spec.name} window={window} b={b} {cfg.as_params()}")
+
+
+SHAPE_PLAN = [(128, 3), (128, 24), (128, 40), (None, 3), (None, 24)]
+
+
+def _shape_plans():
+    """(spec, plan) of test_shape, for every shape and sinks on / off."""
+    return [(shape_spec(*s, sinks=sinks), SHAPE_PLAN) for s in SHAPES for sinks in (True, False)]
+
+
+GPT_OSS_PLAN = [(128, 1), (128, 8), (128, 64), (None, 1), (None, 8), (None, 64)]
+
+
+# ----------------------------------------------------------------- emulated (CPU)
+class EmulatedOp:
+    """The op's launch choice for a batch, run by the CPU emulator."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.op = KDEF.bind(spec, T132, _no_load)
+
+    def config(self, batch, sliding):
+        return self.op.config(batch, sliding)
+
+    def __call__(self, q, kv, bt, lens, sinks, window, scale, out):
+        import da_emulator
+
+        v = self.op._variants[window is not None][q.shape[0]]
+        res = da_emulator.run(KDEF, self.spec, v, q, kv, bt, lens, sinks, window, scale,
+                              num_partials=self.op._max_partials)
+        out.copy_(torch.from_numpy(res))
+
+
+# (GQA, head_dim, page, sinks, [(window, seq_lens)]): every config family of
+# the new shapes on small inputs (the emulator runs ~1 ms per warp and slice).
+EMULATED = [
+    (8, 64, 16, True, [(128, [130, 17]), (None, [600, 33])]),      # gpt-oss: 4-rank cluster; 132 splits, merged
+    (4, 128, 32, False, [(128, [145, 31, 0]), (None, [600])]),     # padded tile: cluster 8; 8-warp splits
+    (16, 64, 64, True, [(128, [193]), (None, [600] + [0] * 16)]),  # two tiles: cluster 8; 6-stage ring, 2 splits
+    (16, 128, 16, True, [(128, [150] + [0] * 64)]),                # two tiles, one split per pair
+]
+
+
+@pytest.mark.parametrize("gqa, head_dim, page, sinks, launches", EMULATED, ids=lambda x: None)
+def test_emulated_kernel(gqa, head_dim, page, sinks, launches):
+    """The generated kernel, run on the CPU by tests/da_emulator.py, matches
+    the reference (index arithmetic of head tiles, padded heads, head_dim
+    64, slices of larger pages, cluster and global merges)."""
+    spec = shape_spec(gqa, head_dim, page, sinks=sinks, kv=1, max_batch=80)
+    op = EmulatedOp(spec)
+    for window, lens in launches:
+        case = Case(spec, lens, window, seed=len(lens), device="cpu")
+        out = case.poisoned_out()
+        op(*case.args(out))
+        case.check(out, f"emulated {spec.name} window={window} b={len(lens)} "
+                        f"{op.config(len(lens), window is not None).as_params()}")
+
+
+def test_emulated_block_id_window_of_long_pages():
+    """A warp with more than 32 slices of 32-token pages refreshes its
+    block-id window (slice -> table entry slice // 2) and starts mid-page."""
+    spec = shape_spec(8, 128, 32, kv=1, max_batch=80)
+    lens = [2200] + [0] * 64                # 65 pairs: one 4-warp split, 35 slices per warp
+    case = Case(spec, lens, 2100, seed=5, device="cpu")
+    out = case.poisoned_out()
+    EmulatedOp(spec)(*case.args(out))
+    case.check(out, "emulated p32 window 2100 (block-id window refresh)")
+
+
+# ----------------------------------------------------------------- GPU
+def planned_variants(target):
+    """{variant name: (spec, variant)} of every launch the GPU tests below make."""
+    plans = _shape_plans() + [(s, GPT_OSS_PLAN) for s in GPT_OSS_TP.values()] + _graph_plans()
+    plans += [(s, [(w, len(edge_lens(16)) + 4) for w in (128, None)]) for s in GPT_OSS_TP.values()]
+    plans += [(shape_spec(4, 64, 32), PADDED_PLAN)]
+    out = {}
+    for spec, plan in plans:
+        op = KDEF.bind(spec, target, _no_load)
+        for window, b in plan:
+            v = op._variants[window is not None][b]
+            out.setdefault(v.name, (spec, v))   # the binary depends on the variant alone
+    return out
+
+
+@pytest.fixture(scope="module")
+def precompiled():
+    """Compile every variant the GPU tests below launch, in parallel (one
+    process per CPU core), into the default cache before the first launch."""
+    import concurrent.futures as cf
+    import multiprocessing
+    import os
+
+    from flintgen import toolchain
+    from flintgen.cli import _build_one
+
+    target = toolchain.resolve_target()
+    todo = planned_variants(target)
+    root = cache.default_root()
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
+        futs = [pool.submit(_build_one, spec, "decode_attention", v, target, root) for spec, v in todo.values()]
+        for f in cf.as_completed(futs):
+            f.result()
+    record(f"precompiled {len(todo)} decode-attention variants")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa, head_dim, page", SHAPES, ids=[_sid(s) for s in SHAPES])
+def test_shape(precompiled, gqa, head_dim, page):
+    """One shape x sinks on / off x window on / off (2 kv heads): batch 3 (a
+    cluster merge; many splits merged through global partials), 24 (4-rank
+    clusters; a few splits) and, windowed, 40 (one split per pair), with edge
+    and mixed lengths."""
+    import flintgen
+
+    for sinks in (True, False):
+        spec = shape_spec(gqa, head_dim, page, sinks=sinks)
+        run_shape(flintgen.get_kernel(spec, "decode_attention"), spec, "cuda", SHAPE_PLAN, seed=gqa + page)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_gpt_oss(precompiled, tp):
+    """gpt-oss-20b per rank (64/8, 32/4, 8/1 heads of 64): batches 1, 8, 64
+    both layer kinds, then the edge lengths with the spec's window, full
+    attention and runtime windows 1, 17 and 200 (same binaries)."""
+    import flintgen
+
+    spec = GPT_OSS_TP[tp]
+    op = flintgen.get_kernel(spec, "decode_attention")
+    run_shape(op, spec, "cuda", GPT_OSS_PLAN, seed=tp)
+    lens = edge_lens(16) + [129, 3000, 40, 7]
+    for window in (128, None, 1, 17, 200):
+        case = Case(spec, lens, window, seed=len(lens) + (window or 0))
+        out = case.poisoned_out()
+        op(*case.args(out))
+        case.check(out, f"{spec.name} edges window={window}")
+
+
+def _graph_plans():
+    return [(shape_spec(4, 64, 32, kv=2), [(128, 2), (None, 3)]),
+            (shape_spec(16, 128, 64, kv=2), [(None, 1), (128, 20)])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", [0, 1])
+def test_cuda_graph_replay(precompiled, which):
+    """Graphs of a cluster launch and a global-partials launch of padded
+    (GQA 4, d64, page 32) and two-tile (GQA 16, d128, page 64) shapes,
+    replayed 60 times with lengths and block tables changed in place: the
+    workspace (sized for padded / tiled heads) and counters stay valid."""
+    import flintgen
+
+    spec, plan = _graph_plans()[which]
+    op = flintgen.get_kernel(spec, "decode_attention")
+    rnd = random.Random(which)
+    page, width = spec.page_size, 12
+    cases = []
+    for window, b in plan:
+        case = Case(spec, [width * page] * b, None, seed=b, extra_cols=0)
+        case.window = window
+        cases.append((case, torch.empty_like(case.q)))
+        op(*case.args(cases[-1][1]))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for case, out in cases:
+            op(*case.args(out))
+    for it in range(60):
+        for case, out in cases:
+            b = case.q.shape[0]
+            lens = [rnd.choice([0, 1, page - 1, page + 1, rnd.randint(1, width * page)]) for _ in range(b)]
+            ids = list(range(1, case.kv.shape[0]))
+            rnd.shuffle(ids)
+            bt = torch.zeros(b, width, dtype=torch.int32)
+            for i, n in enumerate(lens):
+                p = -(-n // page)
+                bt[i, :p] = torch.tensor(ids[:p], dtype=torch.int32)
+                ids = ids[p:]
+            case.bt.copy_(bt)
+            case.lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            out.fill_(float("nan"))
+        graph.replay()
+        if it % 20 == 0 or it == 59:
+            for case, out in cases:
+                case.check(out, f"graph {spec.name} replay {it} b={case.q.shape[0]}")
+    torch.cuda.synchronize()
+    ws = op._workspaces[torch.device("cuda", torch.cuda.current_device())]
+    assert int(ws.counters.abs().sum()) == 0
+
+
+PADDED_PLAN = [(128, 3), (None, 3), (None, 24)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window, batch", PADDED_PLAN)
+def test_padded_heads_write_nothing_outside(precompiled, window, batch):
+    """GQA 4 computes 8 heads per kv head: the 4 padded ones must not be
+    stored (out is a view of a larger NaN buffer) nor read q past its end."""
+    import flintgen
+
+    spec = shape_spec(4, 64, 32, kv=2)
+    op = flintgen.get_kernel(spec, "decode_attention")
+    lens = lens_for(op.config(batch, window is not None), batch, window is not None, 128, random.Random(batch), 32)
+    case = Case(spec, lens, window, seed=21)     # exact-size q: a padded head's row would lie past its end
+    big = torch.full((batch, 16, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = big[:, 4:12]
+    op(*case.args(out))
+    case.check(out, f"padded heads window={window} b={batch}")
+    assert torch.isnan(big[:, :4]).all() and torch.isnan(big[:, 12:]).all()
