@@ -24,3 +24,46 @@ def test_unneeded_variants_are_not_built():
         assert vs and not any(dict(v.params)["sliding"] for v in vs)
     vs = KERNELS["decode_attention"].variants(PRESETS["gpt-oss-20b"], t)
     assert any(dict(v.params)["sliding"] for v in vs) and any(not dict(v.params)["sliding"] for v in vs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_qkv_then_attention(name):
+    """Every preset's kernels composed on the H200: the QKV step writes the new
+    token's K/V into the HND cache, decode attention (each layer kind the
+    preset has) reads it; compared with the fp64 reference."""
+    import torch
+
+    import flintgen
+    from flintgen.references.decode_attention import decode_attention_ref, decode_attention_seed_rounding, rel_error
+    from test_qkv import Case
+
+    spec = PRESETS[name]
+    qkv, attn = flintgen.get_kernel(spec, "qkv"), flintgen.get_kernel(spec, "decode_attention")
+    b, d, page, kv, hq = 4, spec.head_dim, spec.page_size, spec.kv_heads_per_rank, spec.q_heads_per_rank
+    blocks, width = 48, 12
+    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    c = Case(spec, b, seed=3, hnd=True)
+    c.cache = (torch.randn(blocks, kv, page, 2 * d, generator=gen) * 0.5).bfloat16().cuda()
+    c.k_cache, c.v_cache = c.cache[..., :d].permute(0, 2, 1, 3), c.cache[..., d:].permute(0, 2, 1, 3)
+    lens = torch.tensor([1, 17, 129, 190], dtype=torch.int32)
+    tables = torch.randperm(blocks, generator=gen)[: b * width].view(b, width).to(torch.int32)
+    pos = (lens - 1).long()
+    c.positions = pos.cuda()
+    c.slots = (tables[torch.arange(b), pos // page].long() * page + pos % page).cuda()
+    for t in range(b):
+        s = int(c.slots[t])
+        c.cache[s // page, :, s % page] = float("nan")
+    q, _ = c.run(qkv, debug=False)
+    assert not c.cache.isnan().any(), "the QKV step left a new slot unwritten"
+    qv = q.view(b, hq, d)
+    sinks = torch.randn(hq, generator=gen).cuda() if spec.sinks else None
+    windows = ([spec.sliding_window] if spec.has_sliding else []) + ([None] if spec.has_full else [])
+    for window in windows:
+        out = torch.full_like(qv, float("nan"))
+        a = (qv, c.cache, tables.cuda(), lens.cuda(), sinks, window, spec.scale)
+        attn(*a, out)
+        torch.cuda.synchronize()
+        ref = decode_attention_ref(*a)
+        ek, et = rel_error(out, ref), rel_error(decode_attention_seed_rounding(*a), ref)
+        assert ek <= 2 * et + 1e-6 and ek < 1e-2, (name, window, ek, et)
