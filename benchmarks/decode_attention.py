@@ -112,6 +112,21 @@ def measure(case, peers=True):
     return res
 
 
+def summarize(per):
+    """Median over runs of flintgen and each peer, with spreads; a peer that
+    failed records its error instead. ``per``: one ``measure`` dict per run."""
+    ours = [p["flintgen"] for p in per]
+    peers, extra = {}, {"spread_us": max(ours) - min(ours)}
+    for name in PEERS:
+        vals = [p[name] for p in per]
+        if all(isinstance(v, float) for v in vals):
+            peers[name] = statistics.median(vals)
+            extra[f"{name}_spread_us"] = max(vals) - min(vals)
+        else:
+            extra[f"{name}_error"] = next(v for v in vals if not isinstance(v, float))
+    return statistics.median(ours), peers, extra
+
+
 def _precompile(plan):
     """Compile the (spec, batch, sliding) variants of ``plan`` in parallel
     processes before timing (a first call would otherwise compile inline)."""
@@ -146,18 +161,9 @@ def gpt_oss(runs, bw):
                 case = Case(spec, b, [L] * b, None, lean=True, seed=b + L)
                 for window in (128, None):
                     case.set_window(window)
-                    per = [measure(case) for _ in range(runs)]
-                    ours = [p["flintgen"] for p in per]
-                    peers, extra = {}, {"spread_us": max(ours) - min(ours)}
-                    for name in PEERS:
-                        vals = [p[name] for p in per]
-                        if all(isinstance(v, float) for v in vals):
-                            peers[name] = statistics.median(vals)
-                            extra[f"{name}_spread_us"] = max(vals) - min(vals)
-                        else:
-                            extra[f"{name}_error"] = next(v for v in vals if not isinstance(v, float))
+                    med, peers, extra = summarize([measure(case) for _ in range(runs)])
                     rows.append(Row({"q/kv heads": _label(spec), "B": b, "L": L, "window": window or "—"},
-                                    statistics.median(ours), case.bytes / bw * 1e6, peers, extra))
+                                    med, case.bytes / bw * 1e6, peers, extra))
                     print(rows[-1].case, f"{rows[-1].flintgen_us:.2f} us", peers, flush=True)
                 del case
                 torch.cuda.empty_cache()
@@ -191,19 +197,9 @@ def main():
         runs.append([measure(c[-1]) for c in cases])
     rows = []
     for i, (heads, b, L, w, gu, gp, case) in enumerate(cases):
-        per = [r[i] for r in runs]
-        ours = [p["flintgen"] for p in per]
+        med, peers, extra = summarize([r[i] for r in runs])
         floor = case.bytes / bw * 1e6
-        peers = {}
-        extra = {"spread_us": max(ours) - min(ours), "goal": f"<= {gu} us" if gu else f">= {gp}% of floor"}
-        for name in PEERS:
-            vals = [p[name] for p in per]
-            if all(isinstance(v, float) for v in vals):
-                peers[name] = statistics.median(vals)
-                extra[f"{name}_spread_us"] = max(vals) - min(vals)
-            else:
-                extra[f"{name}_error"] = next(v for v in vals if not isinstance(v, float))
-        med = statistics.median(ours)
+        extra["goal"] = f"<= {gu} us" if gu else f">= {gp}% of floor"
         met = med <= gu if gu else 100 * floor / med >= gp
         beats = all(med + extra["spread_us"] + extra.get(f"{n}_spread_us", 0) < peers[n] for n in peers)
         extra["goal_met"], extra["beats_peers_beyond_spread"] = met, beats
