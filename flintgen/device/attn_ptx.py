@@ -7,7 +7,7 @@ from __future__ import annotations
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from flintgen.device.ptx import _asm
+from flintgen.device.ptx import _asm, lds_f32x4  # noqa: F401 (re-exported)
 
 
 @dsl_user_op
@@ -37,13 +37,6 @@ def selp_u32(a, b, pred, *, loc=None, ip=None):
         "{ .reg .pred p; setp.ne.s32 p, $3, 0; selp.b32 $0, $1, $2, p; }", loc=loc, ip=ip,
     )  # fmt: skip
 
-
-@dsl_user_op
-def lds_f32x4(addr, *, loc=None, ip=None):
-    return _asm(
-        [Float32] * 4, [(Uint32, addr)],
-        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
 
 
 @dsl_user_op

@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from flintgen.device import ptx
-from flintgen.device.ptx import _asm
+from flintgen.device.ptx import _asm, lds_f32x4  # noqa: F401 (re-exported)
 
 
 # ---------------------------------------------------------------- global
@@ -149,12 +149,6 @@ def griddep_wait_after(x, m, *, loc=None, ip=None):
 
 
 # ---------------------------------------------------------------- shared
-@dsl_user_op
-def lds_f32x4(addr, *, loc=None, ip=None):
-    return _asm(
-        [Float32] * 4, [(Uint32, addr)], "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
 
 
 @dsl_user_op

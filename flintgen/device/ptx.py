@@ -163,6 +163,14 @@ def lds_u32x4(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def lds_f32x4(addr, *, loc=None, ip=None):
+    return _asm(
+        [Float32] * 4, [(Uint32, addr)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def lds_f32(addr, *, loc=None, ip=None):
     return _asm(
         [Float32], [(Uint32, addr)], "ld.shared.f32 $0, [$1];",
