@@ -75,3 +75,27 @@ def test_qkv_fake_shapes():
         e = torch.empty(1)
         q, r = torch.ops.flintgen.qkv(x, x, e, e, e, e, e, e, e, e, e, e, e, None, 1e-6, 1e-6, KEY)
         assert q.shape == (3, spec.q_heads_per_rank * 128) and r.shape == (3, 2048)
+
+
+def test_fake_tracing_qkv_and_decode_attention():
+    """The mutating ops trace too: qkv (writes k_cache / v_cache) feeding
+    decode_attention (writes out), as a decode step chains them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec = flintgen.get_preset("flint")
+    hq, d, hkv = spec.q_heads_per_rank, spec.head_dim, spec.kv_heads_per_rank
+    bf = torch.bfloat16
+
+    def step(x, res, cache, bt, lens, sinks, pos, slots, out):
+        k, v = cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2)
+        e = torch.empty(0)
+        q, r = torch.ops.flintgen.qkv(x, res, e, e, e, e, e, e, e, pos, k, v, slots, None, 1e-6, 1e-6, KEY)
+        torch.ops.flintgen.decode_attention(q.view(-1, hq, d), cache, bt, lens, sinks, 128, 0.08, out, KEY)
+        return out, r
+
+    args = (torch.empty(2, 2048, dtype=bf), torch.empty(2, 2048, dtype=bf), torch.empty(8, hkv, 16, 2 * d, dtype=bf),
+            torch.empty(2, 4, dtype=torch.int32), torch.empty(2, dtype=torch.int32), torch.empty(hq),
+            torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64), torch.empty(2, hq, d, dtype=bf))
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "flintgen.qkv.default" in targets and "flintgen.decode_attention.default" in targets
