@@ -116,3 +116,18 @@ def lens_for(cfg, b, sliding, window, rnd, page=16, cap=None):
     lens = [min(rnd.choice(pool), cap) for _ in range(b)]
     lens[0] = min(full + rnd.randint(0, 40), cap)
     return lens
+
+
+def refill(case, rnd, lens, page=16):
+    """New seq_lens and a new permuted block table for ``case``, written in
+    place (graph-replay tests change them between replays)."""
+    b, width = case.bt.shape
+    ids = list(range(1, case.kv.shape[0]))
+    rnd.shuffle(ids)
+    bt = torch.zeros(b, width, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        p = -(-n // page)
+        bt[i, :p] = torch.tensor(ids[:p], dtype=torch.int32)
+        ids = ids[p:]
+    case.bt.copy_(bt)
+    case.lens.copy_(torch.tensor(lens, dtype=torch.int32))

@@ -23,7 +23,7 @@ from flintgen.kernels.decode_attention import DecodeAttentionDef
 from flintgen.presets import FLINT
 from flintgen.references.decode_attention import decode_attention_ref, rel_error
 
-from decode_attention_cases import Case, lens_for, record
+from decode_attention_cases import Case, lens_for, record, refill
 
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
@@ -421,20 +421,6 @@ def _dense_case(spec, b, width, window, seed):
     return case
 
 
-def _refill(case, rnd, lens):
-    """New seq_lens and a new permuted block table, written in place."""
-    b, width = case.bt.shape
-    ids = list(range(1, case.kv.shape[0]))
-    rnd.shuffle(ids)
-    bt = torch.zeros(b, width, dtype=torch.int32)
-    for i, n in enumerate(lens):
-        p = -(-n // PAGE)
-        bt[i, :p] = torch.tensor(ids[:p], dtype=torch.int32)
-        ids = ids[p:]
-    case.bt.copy_(bt)
-    case.lens.copy_(torch.tensor(lens, dtype=torch.int32))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("layers", [
     [("swa", 2), ("full", 3)],          # cluster of 8 + 22 global-partial splits, one workspace
@@ -462,7 +448,7 @@ def test_cuda_graph_replay(flint_op, layers):
     for it in range(300):
         for case, out in cases:
             lens = [rnd.choice([0, 1, 16, 17, rnd.randint(1, width * PAGE)]) for _ in range(case.q.shape[0])]
-            _refill(case, rnd, lens)
+            refill(case, rnd, lens, PAGE)
             out.fill_(float("nan"))
         graph.replay()
         if it % 15 == 0 or it == 299:

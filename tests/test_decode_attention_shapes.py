@@ -27,7 +27,7 @@ from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef
 from flintgen.presets import FLINT
 
-from decode_attention_cases import Case, lens_for, record
+from decode_attention_cases import Case, lens_for, record, refill
 
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
@@ -393,15 +393,7 @@ def test_cuda_graph_replay(precompiled, which):
         for case, out in cases:
             b = case.q.shape[0]
             lens = [rnd.choice([0, 1, page - 1, page + 1, rnd.randint(1, width * page)]) for _ in range(b)]
-            ids = list(range(1, case.kv.shape[0]))
-            rnd.shuffle(ids)
-            bt = torch.zeros(b, width, dtype=torch.int32)
-            for i, n in enumerate(lens):
-                p = -(-n // page)
-                bt[i, :p] = torch.tensor(ids[:p], dtype=torch.int32)
-                ids = ids[p:]
-            case.bt.copy_(bt)
-            case.lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            refill(case, rnd, lens, page)
             out.fill_(float("nan"))
         graph.replay()
         if it % 20 == 0 or it == 59:
