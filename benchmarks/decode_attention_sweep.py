@@ -23,20 +23,17 @@ WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)
 FULL = dict(layer_types=("full",), sliding_window=None)
 SLIDE = dict(layer_types=("sliding",))
 
+B1_TP2 = [C(66, 8, 2, 1, False, 1), C(66, 8, 2, 2, False, 1), C(33, 8, 2, 1, False, 1), C(16, 4, 2, 1, False, 2)]
+
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
 ROWS = {
-    "16/2 B=1 L=1k": (TP2.replace(**FULL), 1, 1024, None, [
-        C(66, 8, 2, 2, False, 1), C(66, 4, 2, 2, False, 2), C(66, 4, 2, 1, False, 2), C(32, 4, 2, 1, False, 2),
-        C(16, 8, 2, 1, False, 1), C(8, 8, 2, 1, False, 1), C(16, 4, 2, 1, False, 2), C(66, 8, 2, 1, False, 1)]),
-    "16/2 B=1 L=32k": (TP2.replace(**FULL), 1, 32768, None, [
-        C(66, 8, 2, 2, False, 1), C(66, 8, 3, 2, False, 1), C(33, 8, 3, 2, False, 1), C(132, 4, 3, 2, False, 2),
-        C(132, 4, 4, 2, False, 2), C(66, 4, 4, 2, False, 2)]),
+    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, B1_TP2) for L in (1024, 32768)},
     "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [
-        C(16, 4, 2, 2, False, 2), C(16, 4, 3, 2, False, 2), C(16, 4, 4, 2, False, 2), C(33, 4, 3, 2, False, 2),
-        C(16, 8, 3, 2, False, 1), C(8, 8, 3, 2, False, 1), C(33, 4, 4, 2, False, 2)]),
+        C(8, 8, 2, 2, False, 1), C(8, 8, 3, 2, False, 1), C(8, 8, 2, 1, False, 1), C(16, 4, 2, 2, False, 2)]),
+    "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [
+        C(16, 8, 2, 1, False, 1), C(16, 8, 2, 2, False, 1), C(12, 8, 2, 1, False, 1)]),
     "64/8 B=32 w128": (WIDE.replace(**SLIDE), 32, 8192, 128, [
-        C(1, 4, 3, 1, False, 0), C(2, 4, 2, 1, True, 0), C(2, 4, 3, 1, True, 0), C(1, 4, 2, 1, False, 0),
-        C(1, 8, 2, 1, False, 0), C(4, 4, 2, 1, True, 0)]),
+        C(1, 4, 3, 1, False, 0), C(1, 4, 4, 1, False, 0), C(1, 4, 2, 1, False, 0)]),
 }
 
 

@@ -99,3 +99,93 @@ def test_fake_tracing_qkv_and_decode_attention():
     gm = make_fx(step, tracing_mode="fake")(*args)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert "flintgen.qkv.default" in targets and "flintgen.decode_attention.default" in targets
+
+
+@pytest.mark.gpu
+def test_qkv_then_decode_attention_ops_compiled_and_graph_replayed():
+    """The mutating ops on the GPU: torch.compile(fullgraph) of a decode step
+    (qkv writes the new token's K/V into flint's HND cache, decode_attention
+    reads it) gives the bits of the kernels called directly, attention is
+    within the fp64 reference's bound, and a CUDA graph of the compiled step
+    replays with new activations, positions, slots and lengths."""
+    from test_qkv import Case as QKVCase
+
+    from flintgen.references.decode_attention import (decode_attention_ref, decode_attention_seed_rounding,
+                                                      rel_error)
+
+    spec = flintgen.get_preset("flint")
+    hq, d, hkv, page = spec.q_heads_per_rank, spec.head_dim, spec.kv_heads_per_rank, spec.page_size
+    b, blocks, width = 4, 48, 12
+    flintgen.warmup(spec, ["qkv", "decode_attention"])
+    gen = torch.Generator().manual_seed(21)
+    c = QKVCase(spec, b, seed=21, hnd=True)
+    cache = (torch.randn(blocks, hkv, page, 2 * d, generator=gen) * 0.5).bfloat16().cuda()
+    tables = torch.randperm(blocks, generator=gen)[: b * width].view(b, width).int().cuda()
+    lens = torch.zeros(b, dtype=torch.int32, device="cuda")
+    pos = torch.zeros(b, dtype=torch.int64, device="cuda")
+    slots = torch.zeros(b, dtype=torch.int64, device="cuda")
+    sinks = torch.randn(hq, generator=gen).cuda()
+    out = torch.full((b, hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    x, res = c.x.clone(), c.residual.clone()
+
+    def set_lens(new_lens):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        p = lens.long() - 1
+        pos.copy_(p)
+        slots.copy_(tables.long()[torch.arange(b, device="cuda"), p // page] * page + p % page)
+
+    def step(x, res):
+        k, v = cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2)
+        q, r = torch.ops.flintgen.qkv(x, res, c.norm_weight, c.weight, c.weight_scale, c.global_scale, c.q_norm,
+                                      c.k_norm, c.cos_sin, pos, k, v, slots, c.bias, spec.rms_eps, spec.rms_eps,
+                                      KEY)
+        torch.ops.flintgen.decode_attention(q.view(b, hq, d), cache, tables, lens, sinks, None, spec.scale, out,
+                                            KEY)
+        return q, r
+
+    def direct():
+        """The same step through get_kernel, on a copy of the cache."""
+        kc = cache.clone()
+        q, r = flintgen.get_kernel(spec, "qkv")(x, res, c.norm_weight, c.weight, c.weight_scale, c.global_scale,
+                                                c.q_norm, c.k_norm, c.cos_sin, pos, kc[..., :d].transpose(1, 2),
+                                                kc[..., d:].transpose(1, 2), slots, c.bias)
+        o = torch.empty_like(out)
+        flintgen.get_kernel(spec, "decode_attention")(q.view(b, hq, d), kc, tables, lens, sinks, None,
+                                                      spec.scale, o)
+        return q.clone(), r.clone(), kc, o
+
+    def check(q, r, label):
+        want_q, want_r, want_cache, want_out = direct_result
+        assert torch.equal(q, want_q) and torch.equal(r, want_r), f"{label}: qkv op differs from the kernel"
+        assert torch.equal(cache, want_cache), f"{label}: cache writes differ from the kernel's"
+        assert torch.equal(out, want_out), f"{label}: attention op differs from the kernel"
+        a = (q.view(b, hq, d), cache, tables, lens, sinks, None, spec.scale)
+        ek, et = rel_error(out, decode_attention_ref(*a)), rel_error(decode_attention_seed_rounding(*a),
+                                                                    decode_attention_ref(*a))
+        assert ek <= 2 * et + 1e-6 and ek < 1e-2, (label, ek, et)
+
+    compiled = torch.compile(step, fullgraph=True)
+    set_lens([1, 17, 100, 160])
+    direct_result = direct()
+    q, r = compiled(x, res)
+    torch.cuda.synchronize()
+    check(q, r, "compiled")
+
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        compiled(x, res)                               # warm the compiled graph on the capture stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            gq, gr = compiled(x, res)
+    torch.cuda.synchronize()
+    for i, new_lens in enumerate(([33, 2, 191, 64], [160, 161, 16, 15], [5, 80, 120, 1])):
+        x.copy_(torch.randn(x.shape, generator=gen).bfloat16())
+        res.copy_(torch.randn(res.shape, generator=gen).bfloat16())
+        set_lens(new_lens)
+        direct_result = direct()
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(gq, gr, f"replay {i}")

@@ -248,9 +248,18 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # 8-warp splits, min_pages 1 eight: 7.24 -> 6.15 us (and 4.83 us once the
     # merge stopped loading inactive splits); at L=32k every split is active
     # either way (11.27 us).
+    #
+    # Second deviation, measured (same sweep, 2026-11-29 session 2, after the
+    # merge stopped unrolling over static splits): 9..16 pairs also take one
+    # 8-warp CTA per SM (num_sms // pairs splits, min_pages 2). 16/2 heads,
+    # B=8: L=8k 20.48 us vs 21.99 with the seed's 16 x 4-warp splits; L=1k
+    # 6.37 vs 7.19.
     if num_bh <= 8:
         splits = max(1, num_sms // num_bh)
         warps, stages, min_pages = 8, 2, 1
+    elif num_bh <= 16:
+        splits = max(1, num_sms // num_bh)
+        warps, stages, min_pages = 8, 2, 2
     else:
         splits = max(1, 2 * num_sms // num_bh)
         warps, stages, min_pages = 4, (2 if num_bh <= 16 else 3), 2
@@ -271,7 +280,16 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
     * min_pages: the single-slice penalty is fixed prologue + merge cost
       against streaming bytes, so 2 slices of 8 KB become 4 of 4 KB; the
       small-batch min_pages 1 (measured: more active splits win at 1k) stays.
+
+    One measured exception: a single pair (gpt-oss at TP 8, batch 1) takes
+    num_sms // 2 splits of 6 stages, not 2 * num_sms. One CTA merges all of a
+    pair's partials, so the merge grows with the active splits (264 x 2 KB at
+    L=32k); H200 sweep, 8/1 heads, B=1, L = 1k / 8k / 32k: 264 x 4 stages
+    5.28 / 9.10 / 15.38 us, 132 x 4 4.28 / 8.35 / 10.54, 66 x 6 4.02 / 6.67 /
+    9.62 (benchmarks/results/decode_attention_sweep.md).
     """
+    if num_bh == 1:
+        return DecodeAttentionConfig(max(1, num_sms // 2), 4, 6, 1, False, 2, 64, gqa)
     splits = max(1, 2 * num_sms // num_bh)
     if num_bh <= 8:
         return DecodeAttentionConfig(splits, 4, 4, 1, False, 2, 64, gqa)
