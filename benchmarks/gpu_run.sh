@@ -1,0 +1,29 @@
+#!/bin/bash
+# One GPU-machine run: the GPU tests and/or benchmarks, logs and results under $OUT.
+#
+#   bash benchmarks/gpu_run.sh tests            # every GPU test (pytest -m gpu)
+#   bash benchmarks/gpu_run.sh attention        # decode table vs XQA + FA4, 3 runs (+ extra rows)
+#   bash benchmarks/gpu_run.sh gpt-oss          # head_dim-64 gpt-oss table, 3 runs
+#   bash benchmarks/gpu_run.sh qkv              # QKV step and GEMV benchmark
+#   bash benchmarks/gpu_run.sh sweep            # decode config sweep
+#
+# Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
+# first) and FLINTGEN_CACHE_DIR pointing at a carried cache; FLINTGEN_COMMIT names
+# the commit in result headers (the GPU machine's copy has no git metadata).
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; \
+  echo "commit ${FLINTGEN_COMMIT:-unknown}"; } > "$OUT/run_info.txt"
+rc=0
+for what in "$@"; do
+    case "$what" in
+        tests) python3 -m pytest -m gpu -q -p no:cacheprovider -rfEx tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+               rc=$((rc || PIPESTATUS[0])) ;;
+        attention) python3 -m benchmarks.decode_attention --runs 3 2>&1 | tee "$OUT/decode_attention.log" | tail -30 ;;
+        gpt-oss) python3 -m benchmarks.decode_attention --gpt-oss --runs 3 2>&1 | tee "$OUT/gpt_oss.log" | tail -5 ;;
+        qkv) python3 -m benchmarks.qkv 2>&1 | tee "$OUT/qkv.log" | tail -30 ;;
+        sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
+        *) echo "unknown: $what" >&2; exit 2 ;;
+    esac
+done
+exit $rc
