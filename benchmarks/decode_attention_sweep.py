@@ -23,17 +23,20 @@ WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)
 FULL = dict(layer_types=("full",), sliding_window=None)
 SLIDE = dict(layer_types=("sliding",))
 
-B1_TP2 = [C(66, 8, 2, 1, False, 1), C(66, 8, 2, 2, False, 1), C(33, 8, 2, 1, False, 1), C(16, 4, 2, 1, False, 2)]
+def C4(splits, warps, stages, min_pages):
+    """A two-level-merge candidate (4-CTA clusters, then global)."""
+    return C(splits, warps, stages, min_pages, True, 8 // warps, cluster_size=4)
+
+
+B1_TP2 = [C4(64, 8, 2, 1), C(66, 8, 2, 1, False, 1), C4(32, 8, 2, 1), C4(64, 8, 3, 1), C(16, 4, 2, 1, False, 2)]
 
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
 ROWS = {
-    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, B1_TP2) for L in (1024, 32768)},
+    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, B1_TP2) for L in (1024, 8192, 32768)},
     "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [
-        C(8, 8, 2, 2, False, 1), C(8, 8, 3, 2, False, 1), C(8, 8, 2, 1, False, 1), C(16, 4, 2, 2, False, 2)]),
+        C(8, 8, 2, 2, False, 1), C(8, 8, 3, 2, False, 1), C(16, 4, 2, 2, False, 2)]),
     "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [
-        C(16, 8, 2, 1, False, 1), C(16, 8, 2, 2, False, 1), C(12, 8, 2, 1, False, 1)]),
-    "64/8 B=32 w128": (WIDE.replace(**SLIDE), 32, 8192, 128, [
-        C(1, 4, 3, 1, False, 0), C(1, 4, 4, 1, False, 0), C(1, 4, 2, 1, False, 0)]),
+        C4(16, 8, 2, 1), C(16, 8, 2, 1, False, 1), C4(16, 8, 3, 1)]),
 }
 
 
