@@ -63,10 +63,7 @@ def test_configs_valid_for_every_shape(gqa, head_dim, page):
                                        head_dim=head_dim, gqa=gqa, page_size=page, num_sms=sms)
                 for b, c in cfgs.items():       # __post_init__ validated smem, epilogue and merge mapping
                     assert (c.head_dim, c.gqa) == (head_dim, gqa)
-                    # short windows merge in clusters; full attention at <= 8 pairs in two
-                    # levels (4-CTA clusters, then global) at head_dim 128
-                    short = sliding and window == 128
-                    assert c.cluster == ((short and b * kv <= 64) or (not short and head_dim == 128 and b * kv <= 8))
+                    assert c.cluster == (sliding and window == 128 and b * kv <= 64)
                     assert c.scratch_bytes <= c.ring_bytes and c.dims_per_thread >= 4
                     if c.ctas_per_sm:
                         assert c.ring_bytes <= dac.SMEM_PER_SM // c.ctas_per_sm
@@ -111,7 +108,7 @@ def test_head_dim_64_rule():
 def test_config_rejects_bad_shapes():
     with pytest.raises(ValueError, match="2 dims per thread for 8 heads x 64 dims; the epilogue needs >= 4"):
         dac.DecodeAttentionConfig(16, 8, 2, 1, False, 1, 64, 8)
-    with pytest.raises(ValueError, match="cluster merge needs clusters of 2, 4 or 8 CTAs .* whose 64 / C dims per rank"):
+    with pytest.raises(ValueError, match="cluster merge needs 2, 4 or 8 splits whose 64 / splits dims"):
         dac.DecodeAttentionConfig(8, 4, 2, 1, True, 0, 64, 8)
     assert dac.DecodeAttentionConfig(8, 4, 2, 1, True, 0, 64, 16).cluster
 
@@ -262,9 +259,7 @@ class EmulatedOp:
 # the new shapes on small inputs (the emulator runs ~1 ms per warp and slice).
 EMULATED = [
     (8, 64, 16, True, [(128, [130, 17]), (None, [600, 33])]),      # gpt-oss: 4-rank cluster; 132 splits, merged
-    (4, 128, 32, False, [(128, [145, 31, 0]), (None, [600])]),     # padded tile: cluster 8; one 4-CTA cluster
-    (8, 128, 16, True, [(None, [2100]), (None, [1025, 17])]),      # two-level merge: 4 / 2 clusters; 1 + 1
-    (16, 128, 64, True, [(None, [1500, 0, 77])]),                  # two tiles, two-level merge
+    (4, 128, 32, False, [(128, [145, 31, 0]), (None, [600])]),     # padded tile: cluster 8; 8-warp splits
     (16, 64, 64, True, [(128, [193]), (None, [600] + [0] * 16)]),  # two tiles: cluster 8; 6-stage ring, 2 splits
     (16, 128, 16, True, [(128, [150] + [0] * 64)]),                # two tiles, one split per pair
 ]
@@ -283,18 +278,6 @@ def test_emulated_kernel(gqa, head_dim, page, sinks, launches):
         op(*case.args(out))
         case.check(out, f"emulated {spec.name} window={window} b={len(lens)} "
                         f"{op.config(len(lens), window is not None).as_params()}")
-
-
-def test_emulated_two_level_merge_long_window():
-    """A window too long for the cluster rule takes the full-attention rule:
-    at one pair the two-level merge (3 clusters for a 2000-token window)."""
-    spec = shape_spec(8, 128, 16, kv=1, max_batch=80).replace(sliding_window=2000)
-    op = EmulatedOp(spec)
-    assert op.config(1, True).cluster_size == 4
-    case = Case(spec, [2600], 2000, seed=9, device="cpu")
-    out = case.poisoned_out()
-    op(*case.args(out))
-    case.check(out, "emulated two-level merge, window 2000")
 
 
 def test_emulated_block_id_window_of_long_pages():

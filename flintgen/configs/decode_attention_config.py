@@ -71,11 +71,6 @@ class DecodeAttentionConfig:
     # carries them separately, ``as_params`` leaves them out).
     head_dim: int = 128
     gqa: int = 8
-    # With ``cluster``: CTAs per cluster (0: all splits, one cluster per pair).
-    # Fewer than ``num_splits`` gives the two-level merge: each cluster merges
-    # in DSMEM, then the last CTA merges the clusters' partials (skipped when
-    # only one cluster is active).
-    cluster_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_warps not in (4, 8):
@@ -95,17 +90,14 @@ class DecodeAttentionConfig:
         if self.scratch_bytes > self.ring_bytes:
             raise ValueError(f"{self.num_splits} splits need {self.scratch_bytes} B of epilogue "
                              f"scratch, more than the {self.ring_bytes} B ring it reuses")
-        if self.cluster_size and not self.cluster:
-            raise ValueError(f"cluster_size = {self.cluster_size} needs cluster = True: {self}")
         if self.cluster:
-            # Rank r merges head dims [r * D / C, ...): the slice must hold
+            # Rank r merges head dims [r * D / splits, ...): the slice must hold
             # whole per-thread chunks of E dims and split evenly over the CTA.
-            c = self.cluster_ctas
-            dpr = d // c
+            dpr = d // max(self.num_splits, 1)
             e = self.dims_per_thread
-            if (c not in (2, 4, 8) or self.num_splits % c or dpr % e or (th * dpr) % (32 * self.num_warps)):
-                raise ValueError(f"cluster merge needs clusters of 2, 4 or 8 CTAs (dividing the splits) whose "
-                                 f"{d} / C dims per rank x {th} heads cover the CTA's threads evenly, got {self}")
+            if (self.num_splits not in (2, 4, 8) or dpr % e or (th * dpr) % (32 * self.num_warps)):
+                raise ValueError(f"cluster merge needs 2, 4 or 8 splits whose {d} / splits dims per rank "
+                                 f"x {th} heads cover the CTA's threads evenly, got {self}")
             if self.ring_bytes + 4 * self.cluster_floats > SMEM_PER_CTA_MAX - 4096:
                 raise ValueError(f"ring + cluster buffer of {self} do not fit one CTA's shared memory")
 
@@ -127,36 +119,25 @@ class DecodeAttentionConfig:
         return self.tile_heads * self.head_dim // (32 * self.num_warps)
 
     @property
-    def cluster_ctas(self) -> int:
-        """CTAs per thread-block cluster (1 without clusters)."""
-        return (self.cluster_size or self.num_splits) if self.cluster else 1
-
-    @property
-    def merge_rows(self) -> int:
-        """fp32 partials per pair merged through global memory: one per split,
-        or one per cluster with the two-level merge (1: no global merge)."""
-        return self.num_splits // self.cluster_ctas
-
-    @property
     def scratch_bytes(self) -> int:
         th = self.tile_heads
         warp = th * self.head_dim + 2 * th
-        return 4 * (self.num_warps * warp + 2 * th * self.merge_rows + 2 * th)
+        return 4 * (self.num_warps * warp + 2 * th * self.num_splits + 2 * th)
 
     @property
     def cluster_floats(self) -> int:
-        """DSMEM merge buffer per rank: every rank's O slice, m and l."""
-        return self.tile_heads * self.head_dim + 2 * self.tile_heads * self.cluster_ctas if self.cluster else 0
+        """DSMEM merge buffer per rank: every split's O slice, m and l."""
+        return self.tile_heads * self.head_dim + 2 * self.tile_heads * self.num_splits if self.cluster else 0
 
     @property
     def uses_partials(self) -> bool:
-        """Whether launches write global fp32 partials + arrival counters."""
-        return self.merge_rows > 1
+        """Whether launches write global fp32 split partials + arrival counters."""
+        return self.num_splits > 1 and not self.cluster
 
     def as_params(self) -> dict:
         return {"num_splits": self.num_splits, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "min_pages": self.min_pages,
-                "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm, "cluster_size": self.cluster_size}
+                "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm}
 
 
 def check_supported(*, head_dim: int, gqa: int, page_size: int) -> None:
@@ -273,19 +254,10 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # 8-warp CTA per SM (num_sms // pairs splits, min_pages 2). 16/2 heads,
     # B=8: L=8k 20.48 us vs 21.99 with the seed's 16 x 4-warp splits; L=1k
     # 6.37 vs 7.19.
-    #
-    # Two-level merge at <= 8 pairs (measured below): the splits form 4-CTA
-    # clusters that merge in DSMEM first, so the last CTA merges one partial
-    # per cluster instead of one per split (the single-CTA merge of 66
-    # partials costs ~1.5 us at B=1 x 32k), and while each warp of one
-    # cluster streams at most 2 slices (L <= 1024 at 4 x 8 warps) that
-    # cluster alone serves the pair and writes the output: no global merge.
-    # At most 128 CTAs: 32 four-CTA clusters at one CTA per SM, what 8 GPCs
-    # of >= 16 SMs hold at once (a 33rd cluster would wait for a free GPC).
     if num_bh <= 8:
-        splits = 4 * max(1, min(num_sms, 128) // num_bh // 4)
-        return DecodeAttentionConfig(splits, 8, 2, 1, True, 1, head_dim, gqa, cluster_size=4)
-    if num_bh <= 16:
+        splits = max(1, num_sms // num_bh)
+        warps, stages, min_pages = 8, 2, 1
+    elif num_bh <= 16:
         splits = max(1, num_sms // num_bh)
         warps, stages, min_pages = 8, 2, 2
     else:
@@ -333,5 +305,5 @@ def all_configs(*, max_batch: int, num_kv_heads: int, sliding: bool, window: int
 
 
 def max_partials(configs: dict[int, DecodeAttentionConfig], num_kv_heads: int) -> int:
-    """fp32 partials (``merge_rows`` per (request, kv head)) the workspace must hold."""
-    return max([b * num_kv_heads * c.merge_rows for b, c in configs.items() if c.uses_partials] or [0])
+    """Split partials (one per (request, kv head, split)) the workspace must hold."""
+    return max([b * num_kv_heads * c.num_splits for b, c in configs.items() if c.uses_partials] or [0])

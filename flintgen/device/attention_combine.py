@@ -286,14 +286,13 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
 
 
 @cute.jit
-def _cluster_merge(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, scale_log2, NSPLIT: cutlass.Constexpr,
-                   NW: cutlass.Constexpr, E: cutlass.Constexpr, D: cutlass.Constexpr, TH: cutlass.Constexpr):
-    """Every CTA of the cluster sends rank r the dims ``[r * DPR, (r + 1) *
-    DPR)`` of its partial O (plus m and l) through DSMEM; after one cluster
-    barrier each rank merges all NSPLIT ranks for its dims. Returns (h, dl,
-    oo, m_all, m_all_s, l_all): this thread's head, first dim within the
-    rank's slice, OPT merged (unnormalized) dims, the merged max (unscaled
-    and times ``scale_log2``) and sum.
+def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale_log2, out_b, so1,
+                   NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
+                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
+    """Merge the splits of a (request, kv head) inside its cluster: every CTA
+    sends rank r the dims ``[r * DPR, (r + 1) * DPR)`` of its partial O (plus
+    m and l) through DSMEM; after one cluster barrier each rank merges all
+    splits for its dims and writes them (heads < G: TH - G heads are padding).
 
     ``cbuf`` (shared, per rank): ``[split][head][DPR]`` O, then m
     ``[split][head]``, then l ``[split][head]`` (fp32, TH heads). The caller
@@ -329,47 +328,11 @@ def _cluster_merge(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, scale_log2, NSPLIT:
         l_all = l_all + wgt * ptx.lds_f32(cbuf + (L_OFF + r * TH + h) * 4)
         for e in cutlass.range_constexpr(OPT):
             oo[e] = oo[e] + wgt * ptx.lds_f32(cbuf + ((r * TH + h) * DPR + dl + e) * 4)
-    return h, dl, oo, m_all, m_all_s, l_all
-
-
-@cute.jit
-def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale_log2, out_b, so1,
-                   NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
-                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
-    """Merge the splits of a (request, kv head) inside its cluster
-    (``_cluster_merge``) and write each rank's dims of the output (heads < G:
-    TH - G heads are padding)."""
-    DPR = D // NSPLIT
-    OPT = TH * DPR // (32 * NW)
-    h, dl, oo, _, m_all_s, l_all = _cluster_merge(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, scale_log2,
-                                                  NSPLIT, NW, E, D, TH)  # fmt: skip
     if cutlass.const_expr(TH > G):
         if h < G:
             _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
     else:
         _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
-
-
-@cute.jit
-def cluster_partial(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, scale_log2, po_row, pml_row,
-                    NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
-                    D: cutlass.Constexpr, TH: cutlass.Constexpr):
-    """First level of the two-level merge: merge the cluster's CTAs
-    (``_cluster_merge``) and store the result as one fp32 partial in the
-    ``publish_partial`` format (unnormalized O relative to the merged max;
-    m, l): each rank its own dims, rank 0 m and l. The caller's arrival on
-    the pair's counter releases these stores."""
-    DPR = D // NSPLIT
-    OPT = TH * DPR // (32 * NW)
-    h, dl, oo, m_all, _, l_all = _cluster_merge(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, scale_log2,
-                                                NSPLIT, NW, E, D, TH)  # fmt: skip
-    dst = po_row + (h * D + rank * DPR + dl) * 4
-    for e in cutlass.range_constexpr(OPT):
-        ptx.stg_f32(dst + 4 * e, oo[e])
-    if rank == 0:
-        if dl == 0:
-            ptx.stg_f32(pml_row + h * 4, m_all)
-            ptx.stg_f32(pml_row + (TH + h) * 4, l_all)
 
 
 @cute.jit
