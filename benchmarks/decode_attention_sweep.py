@@ -14,6 +14,7 @@ import argparse
 import contextlib
 
 import flintgen
+from benchmarks.decode_attention import GPT_OSS_TP
 from flintgen.configs import decode_attention_config as dac
 from flintgen.configs.decode_attention_config import DecodeAttentionConfig as C
 
@@ -23,20 +24,16 @@ WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)
 FULL = dict(layer_types=("full",), sliding_window=None)
 SLIDE = dict(layer_types=("sliding",))
 
-def C4(splits, warps, stages, min_pages):
-    """A two-level-merge candidate (4-CTA clusters, then global)."""
-    return C(splits, warps, stages, min_pages, True, 8 // warps, cluster_size=4)
-
-
-B1_TP2 = [C4(64, 8, 2, 1), C(66, 8, 2, 1, False, 1), C4(32, 8, 2, 1), C4(64, 8, 3, 1), C(16, 4, 2, 1, False, 2)]
+OSS8 = GPT_OSS_TP[2].replace(**FULL)     # gpt-oss at TP 8: 8 q / 1 kv heads of 64
+B1_TP2 = [C(66, 8, 2, 1, False, 1), C(16, 4, 2, 1, False, 2), C(33, 8, 2, 1, False, 1)]
+B1_OSS8 = [C(66, 4, 6, 1, False, 2, 64), C(33, 4, 6, 1, False, 2, 64)]
 
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
 ROWS = {
     **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, B1_TP2) for L in (1024, 8192, 32768)},
-    "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [
-        C(8, 8, 2, 2, False, 1), C(8, 8, 3, 2, False, 1), C(16, 4, 2, 2, False, 2)]),
-    "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [
-        C4(16, 8, 2, 1), C(16, 8, 2, 1, False, 1), C4(16, 8, 3, 1)]),
+    **{f"8/1 d64 B=1 L={L // 1024}k": (OSS8, 1, L, None, B1_OSS8) for L in (1024, 32768)},
+    "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [C(8, 8, 2, 2, False, 1)]),
+    "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [C(16, 8, 2, 1, False, 1)]),
 }
 
 

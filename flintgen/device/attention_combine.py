@@ -208,18 +208,16 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
     then the per-head merged m * c and l)."""
     MLR = 2 * TH        # floats per split row of the m / l table
     ROW = TH * D * 4    # bytes per split row of part_o
-    # Rounds of RCH splits, double-buffered (va / vb): while one round's
-    # partials are summed the next one's loads are in flight, 2 x 64 floats
-    # per thread. The first round is issued before the m / l staging to hide
-    # its L2 latency behind it.
-    RCH = min(NSPLIT, max(1, 64 // E))
+    # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
+    # thread; the first round is issued before the m / l staging to hide its
+    # L2 latency behind it.
+    RCH = min(NSPLIT, max(1, 128 // E))
     o_base = po_base + (eh * D + ed) * 4
-    va = cute.make_rmem_tensor((RCH * E,), Float32)
-    vb = cute.make_rmem_tensor((RCH * E,), Float32)
+    vs = cute.make_rmem_tensor((RCH * E,), Float32)
     # Loads of splits past ``num_splits`` are skipped, not clamped: with a
     # 66-split variant and 8 active splits, clamped loads cost ~1.3 us at
     # B=1, L=1k (66 vs 8 static splits, same active count; H200 sweep).
-    _load_round(va, o_base, 0, num_splits, RCH, E, ROW)
+    _load_round(vs, o_base, 0, num_splits, RCH, E, ROW)
     THREADS = 32 * NW
     Q4 = MLR // 4       # 16-byte loads per split row
     # Unrolled (at most 9 guarded iterations) so that all of a thread's loads
@@ -272,15 +270,18 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
     l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + eh) * 4)
     for e in cutlass.range_constexpr(E):
         o[e] = Float32(0.0)
-    # A runtime loop over the *active* splits: the loop unrolled over all
-    # NSPLIT static splits it replaces made the merge's time and code grow
-    # with the grid, not the work (gpt-oss 8/1 B=1 L=1k, 16 of 264 splits
-    # active: 7.76 -> 5.28 us; PTX 272 -> 99 KB; H200 sweep).
-    for r0 in cutlass.range(0, num_splits, 2 * RCH, unroll=1):
-        _load_round(vb, o_base, r0 + RCH, num_splits, RCH, E, ROW)
-        _sum_round(o, va, ml_smem, r0, num_splits, eh, MLR, TH, RCH, E, NSPLIT)
-        _load_round(va, o_base, r0 + 2 * RCH, num_splits, RCH, E, ROW)
-        _sum_round(o, vb, ml_smem, r0 + RCH, num_splits, eh, MLR, TH, RCH, E, NSPLIT)
+    # Rounds unrolled (straight-line code lets ptxas issue a round's loads
+    # early), each skipped entirely past ``num_splits``: summing every static
+    # split with zero weights made the merge's time grow with the grid, not
+    # the work (gpt-oss 8/1 B=1 L=1k, 16 of 264 splits active: 7.76 -> 5.28
+    # us with a runtime loop; H200 sweep). A runtime loop over the rounds in
+    # turn cost ~1.2 us at 16/2 B=1 L=32k (66 active splits: 12.7 vs 11.3-11.6
+    # us), the loads of one round no longer overlapping the previous one.
+    for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
+        if r0 < num_splits:
+            if cutlass.const_expr(r0 > 0):
+                _load_round(vs, o_base, r0, num_splits, RCH, E, ROW)
+            _sum_round(o, vs, ml_smem, r0, num_splits, eh, MLR, TH, min(RCH, NSPLIT - r0), E, NSPLIT)
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
     store_head(out_row, eh, ed, o, inv, E, G, TH)
 
