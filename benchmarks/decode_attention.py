@@ -3,6 +3,7 @@ flint HND cache, with the read-bandwidth floor measured in the same process.
 
     python -m benchmarks.decode_attention [--quick] [--runs 3]
     python -m benchmarks.decode_attention --gpt-oss [--runs 1]
+    python -m benchmarks.decode_attention --shapes [--runs 3]
 
 ``--gpt-oss`` times head_dim 64 with gpt-oss-20b's heads per rank (64/8,
 32/4, 8/1: TP 1, 2, 8), window 128 and full attention, B in {1, 8, 64, 256},
@@ -37,6 +38,16 @@ GPT_OSS = FLINT.replace(name="gpt-oss-20b", hidden_size=2880, num_q_heads=64, nu
 GPT_OSS_TP = [GPT_OSS.replace(tp_size=tp) for tp in (1, 2, 8)]
 GPT_OSS_BATCHES = (1, 8, 64, 256)
 GPT_OSS_LENS = (1024, 8192, 32768)
+
+# Sibling shapes (--shapes): (GQA, head_dim, page) at 2 kv heads per rank.
+SHAPES = [(4, 128, 32), (16, 128, 64), (8, 128, 64), (4, 64, 64), (16, 64, 32), (8, 64, 32)]
+SHAPE_CASES = [(1, 8192, None), (32, 8192, None), (8, 8192, 128)]   # (B, L, window)
+
+
+def shape_spec(gqa, head_dim, page):
+    return FLINT.replace(name=f"g{gqa}-d{head_dim}-p{page}", num_q_heads=4 * gqa, num_kv_heads=4,
+                         head_dim=head_dim, page_size=page, tp_size=2)
+
 
 # (spec, batch, seq_len, window, goal µs or None, goal % of floor or None)
 GOAL_ROWS = [
@@ -186,15 +197,50 @@ def gpt_oss(runs, bw):
                 print(r.case, k, v)
 
 
+def shapes(runs, bw):
+    """The --shapes table: sibling shapes (GQA 4 / 16, head_dim 64, pages of
+    32 / 64) with the heuristics' choice, against the floor and both peers."""
+    _precompile([(shape_spec(*sh), b, w is not None) for sh in SHAPES for b, _, w in SHAPE_CASES])
+    rows = []
+    for sh in SHAPES:
+        spec = shape_spec(*sh)
+        for b, L, window in SHAPE_CASES:
+            case = Case(spec, b, [L] * b, window, seed=b + L)
+            med, peers, extra = summarize([measure(case) for _ in range(runs)])
+            beats = all(med + extra["spread_us"] + extra.get(f"{n}_spread_us", 0) < peers[n] for n in peers)
+            extra["beats_peers_beyond_spread"] = beats
+            cfg = flintgen.get_kernel(spec, "decode_attention").config(b, window is not None)
+            rows.append(Row({"GQA": sh[0], "head_dim": sh[1], "page": sh[2], "q/kv heads": _label(spec), "B": b,
+                             "L": L, "window": window or "—", "config": str(tuple(cfg.as_params().values())),
+                             "beats peers": "yes" if beats else "NO"},
+                            med, case.bytes / bw * 1e6, peers, extra))
+            print(rows[-1].case, f"{med:.2f} us", peers, flush=True)
+            del case
+    print(write_results("decode_attention_shapes", rows, bw,
+                        f"Sibling shapes at 2 kv heads per rank, sinks on, pages permuted; median of {runs} runs. "
+                        "config = (splits, warps, stages, min_pages, cluster, ctas/SM) the heuristics pick. "
+                        "A peer that rejects a shape has no time. Won = flintgen's median + both spreads below "
+                        "the peer's median."))
+    for r in rows:
+        for k, v in r.extra.items():
+            if k.endswith("_error"):
+                print(r.case["GQA"], r.case["head_dim"], r.case["page"], r.case["B"], k, v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=None, help="table repeats (default 3; --gpt-oss: 1)")
     ap.add_argument("--quick", action="store_true", help="goal rows only, one run")
     ap.add_argument("--gpt-oss", action="store_true",
                     help="gpt-oss-20b head_dim-64 table (decode_attention_gpt_oss.{md,json}) instead")
+    ap.add_argument("--shapes", action="store_true",
+                    help="sibling-shape table (decode_attention_shapes.{md,json}) instead")
     args = ap.parse_args()
     if args.gpt_oss:
         gpt_oss(args.runs or 1, read_bandwidth())
+        return
+    if args.shapes:
+        shapes(args.runs or 3, read_bandwidth())
         return
     args.runs = args.runs or 3
     for spec in (TP2, WIDE):

@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_run.sh tests            # every GPU test (pytest -m gpu)
 #   bash benchmarks/gpu_run.sh attention        # decode table vs XQA + FA4, 3 runs (+ extra rows)
 #   bash benchmarks/gpu_run.sh gpt-oss          # head_dim-64 gpt-oss table, 3 runs
+#   bash benchmarks/gpu_run.sh shapes           # sibling shapes (GQA 4/16, d64, pages 32/64), 3 runs
 #   bash benchmarks/gpu_run.sh qkv              # QKV step and GEMV benchmark
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep
 #
@@ -21,6 +22,7 @@ for what in "$@"; do
                rc=$((rc || PIPESTATUS[0])) ;;
         attention) python3 -m benchmarks.decode_attention --runs 3 2>&1 | tee "$OUT/decode_attention.log" | tail -30 ;;
         gpt-oss) python3 -m benchmarks.decode_attention --gpt-oss --runs 3 2>&1 | tee "$OUT/gpt_oss.log" | tail -5 ;;
+        shapes) python3 -m benchmarks.decode_attention --shapes --runs 3 2>&1 | tee "$OUT/shapes.log" | tail -30 ;;
         qkv) python3 -m benchmarks.qkv 2>&1 | tee "$OUT/qkv.log" | tail -30 ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
