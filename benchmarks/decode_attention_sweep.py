@@ -14,7 +14,7 @@ import argparse
 import contextlib
 
 import flintgen
-from benchmarks.decode_attention import GPT_OSS_TP
+from benchmarks.decode_attention import shape_spec
 from flintgen.configs import decode_attention_config as dac
 from flintgen.configs.decode_attention_config import DecodeAttentionConfig as C
 
@@ -24,16 +24,22 @@ WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)
 FULL = dict(layer_types=("full",), sliding_window=None)
 SLIDE = dict(layer_types=("sliding",))
 
-OSS8 = GPT_OSS_TP[2].replace(**FULL)     # gpt-oss at TP 8: 8 q / 1 kv heads of 64
-B1_TP2 = [C(66, 8, 2, 1, False, 1), C(16, 4, 2, 1, False, 2), C(33, 8, 2, 1, False, 1)]
-B1_OSS8 = [C(66, 4, 6, 1, False, 2, 64), C(33, 4, 6, 1, False, 2, 64)]
+G16 = shape_spec(16, 128, 64).replace(**FULL)     # 32 q / 2 kv per rank: two head tiles
+G16_D64 = shape_spec(16, 64, 32).replace(**FULL)
 
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
+# GQA 16 (decode_attention_shapes.md: B=1 loses to XQA): a split's partial is
+# twice as large (16 heads), so the single-CTA merge of a pair costs twice as
+# much; fewer splits trade streaming parallelism for it.
 ROWS = {
-    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, B1_TP2) for L in (1024, 8192, 32768)},
-    **{f"8/1 d64 B=1 L={L // 1024}k": (OSS8, 1, L, None, B1_OSS8) for L in (1024, 32768)},
-    "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [C(8, 8, 2, 2, False, 1)]),
-    "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [C(16, 8, 2, 1, False, 1)]),
+    **{f"g16 d128 B=1 L={L // 1024}k": (G16, 1, L, None, [
+        C(66, 8, 2, 1, False, 1), C(33, 8, 2, 1, False, 1), C(22, 8, 2, 1, False, 1), C(33, 8, 3, 1, False, 1)])
+       for L in (1024, 8192, 32768)},
+    **{f"g16 d64 B=1 L={L // 1024}k": (G16_D64, 1, L, None, [
+        C(132, 4, 4, 1, False, 2, 64, 16), C(66, 4, 4, 1, False, 2, 64, 16), C(66, 4, 6, 1, False, 2, 64, 16),
+        C(33, 4, 6, 1, False, 2, 64, 16)]) for L in (1024, 8192, 32768)},
+    "g16 d128 B=32 L=8k": (G16, 32, 8192, None, [
+        C(4, 4, 3, 2, False, 2), C(2, 8, 2, 2, False, 1), C(2, 8, 3, 2, False, 1), C(4, 4, 2, 2, False, 2)]),
 }
 
 

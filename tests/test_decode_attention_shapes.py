@@ -70,10 +70,11 @@ def test_configs_valid_for_every_shape(gqa, head_dim, page):
                 assert dac.max_partials(cfgs, kv) <= 2 * sms
 
 
-@pytest.mark.parametrize("gqa, page", [(4, 16), (16, 16), (8, 32), (8, 64), (16, 64)])
+@pytest.mark.parametrize("gqa, page", [(4, 16), (8, 32), (8, 64), (4, 64)])
 def test_head_dim_128_keeps_the_flint_choices(gqa, page):
-    """GQA and page size do not change what a launch streams (16-token, 8 KB
-    slices), so head_dim 128 keeps the measured Flint rule."""
+    """GQA 4 and page size do not change what a launch streams (16-token,
+    8 KB slices) or merges (one 8-head tile), so head_dim 128 keeps the
+    measured Flint rule."""
     for kv in (1, 4, 8):
         for sliding in (True, False):
             kw = dict(max_batch=256, num_kv_heads=kv, sliding=sliding, window=128 if sliding else None,
@@ -81,6 +82,22 @@ def test_head_dim_128_keeps_the_flint_choices(gqa, page):
             flint = dac.all_configs(gqa=8, page_size=16, **kw)
             other = dac.all_configs(gqa=gqa, page_size=page, **kw)
             assert [c.as_params() for c in other.values()] == [c.as_params() for c in flint.values()]
+
+
+def test_gqa_16_rule():
+    """GQA 16 (two head tiles, partials twice as large): half the splits at
+    <= 8 pairs, 8-warp CTAs one per SM while that gives >= 2 splits
+    (measured, see the config module); sliding windows unchanged."""
+    def cfg(batch, kv, d, gqa, sliding=False):
+        c = dac.launch_config(batch=batch, num_kv_heads=kv, sliding=sliding, window=128 if sliding else None,
+                              head_dim=d, gqa=gqa, page_size=64, num_sms=132)
+        return c.num_splits, c.num_warps, c.num_stages, c.min_pages, c.cluster
+    assert cfg(1, 2, 128, 16) == (33, 8, 2, 1, False) and cfg(1, 2, 128, 8) == (66, 8, 2, 1, False)
+    assert cfg(32, 2, 128, 16) == (2, 8, 2, 2, False) and cfg(32, 2, 128, 8) == (4, 4, 3, 2, False)
+    assert cfg(64, 2, 128, 16) == cfg(64, 2, 128, 8) == (2, 4, 3, 2, False)    # 1 split per SM: the 4-warp rule
+    assert cfg(1, 2, 64, 16) == (33, 4, 6, 1, False) and cfg(1, 2, 64, 8) == (132, 4, 4, 1, False)
+    assert cfg(16, 2, 64, 16) == cfg(16, 2, 64, 8)
+    assert cfg(1, 2, 128, 16, True) == cfg(1, 2, 128, 8, True)
 
 
 def _cfg64(batch, kv, sliding, gqa=8):

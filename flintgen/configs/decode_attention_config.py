@@ -254,10 +254,18 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # 8-warp CTA per SM (num_sms // pairs splits, min_pages 2). 16/2 heads,
     # B=8: L=8k 20.48 us vs 21.99 with the seed's 16 x 4-warp splits; L=1k
     # 6.37 vs 7.19.
+    #
+    # GQA 16 (two head tiles: a split's partial holds 16 heads, twice the
+    # bytes the pair's single-CTA merge reads), measured (sweep run 5,
+    # 32 q / 2 kv, head_dim 128, pages of 64): at <= 8 pairs half the splits,
+    # B=1 L = 1k / 8k / 32k: 33 splits 7.67 / 11.65 / 20.56 us vs 66 8.24 /
+    # 14.32 / 19.05 (XQA 13.54 at 8k); at 17..66 pairs 8-warp CTAs, one per
+    # SM: B=32 L=8k 66.62 us (2 splits) vs 69.39 with 4 x 4-warp splits.
+    two_tiles = gqa > 8
     if num_bh <= 8:
-        splits = max(1, num_sms // num_bh)
+        splits = max(1, num_sms // num_bh // (2 if two_tiles else 1))
         warps, stages, min_pages = 8, 2, 1
-    elif num_bh <= 16:
+    elif num_bh <= 16 or (two_tiles and num_sms // num_bh >= 2):
         splits = max(1, num_sms // num_bh)
         warps, stages, min_pages = 8, 2, 2
     else:
@@ -281,15 +289,21 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
       against streaming bytes, so 2 slices of 8 KB become 4 of 4 KB; the
       small-batch min_pages 1 (measured: more active splits win at 1k) stays.
 
-    One measured exception: a single pair (gpt-oss at TP 8, batch 1) takes
+    Measured exceptions: a single pair (gpt-oss at TP 8, batch 1) takes
     num_sms // 2 splits of 6 stages, not 2 * num_sms. One CTA merges all of a
     pair's partials, so the merge grows with the active splits (264 x 2 KB at
     L=32k); H200 sweep, 8/1 heads, B=1, L = 1k / 8k / 32k: 264 x 4 stages
     5.28 / 9.10 / 15.38 us, 132 x 4 4.28 / 8.35 / 10.54, 66 x 6 4.02 / 6.67 /
     9.62 (benchmarks/results/decode_attention_sweep.md).
+
+    GQA 16 at <= 8 pairs follows the same measured trade (twice the partial
+    bytes per split): num_sms // (2 pairs) splits of 6 stages; 32 q / 2 kv,
+    B=1, L = 1k / 8k / 32k: 33 x 6 stages 5.55 / 8.55 / 15.98 us, 66 x 4
+    6.11 / 10.80 / 14.47, 132 x 4 8.49 / 16.29 / 19.37 (sweep run 5; XQA
+    10.31 at 8k).
     """
-    if num_bh == 1:
-        return DecodeAttentionConfig(max(1, num_sms // 2), 4, 6, 1, False, 2, 64, gqa)
+    if num_bh == 1 or (gqa > 8 and num_bh <= 8):
+        return DecodeAttentionConfig(max(1, num_sms // (2 * num_bh)), 4, 6, 1, False, 2, 64, gqa)
     splits = max(1, 2 * num_sms // num_bh)
     if num_bh <= 8:
         return DecodeAttentionConfig(splits, 4, 4, 1, False, 2, 64, gqa)
