@@ -1,5 +1,6 @@
-"""Time alternative launch configs of decode attention against each other on
-the rows whose goals the default heuristics miss (see results/decode_attention.md).
+"""Time alternative launch configs of decode attention against each other
+(results/decode_attention_sweep.md: one section per run, naming the commit
+whose ROWS it timed; ROWS below is the latest question asked).
 
     python -m benchmarks.decode_attention_sweep --build   # CPU: compile every candidate into the cache
     python -m benchmarks.decode_attention_sweep           # GPU: time them (CUDA-graph replay)
