@@ -163,7 +163,7 @@ def test_default_root(monkeypatch, tmp_path):
 
 def test_key_covers_imported_helpers_only(tmp_path, monkeypatch):
     e = _entry(tmp_path)
-    assert cache._device_deps(e.source) == {"ptx", "reduce"}
+    assert cache._device_deps(e.source) == {"ldst", "ptx", "reduce"}    # ldst imports ptx
     real = cache._device_file
 
     def edited(name, which):

@@ -29,6 +29,27 @@ def _op():
     return d.bind(FLINT, t, load)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("residual", [False, True])
+def test_weight_prefetch_precedes_the_grid_dependency_wait(tmp_cache, sm90, residual):
+    """The weight is loaded before griddepcontrol.wait with coherent,
+    side-effecting loads (ptxas sinks ld.global.nc past the wait to its
+    first use: seen in the QKV kernel's SASS); activations only after it."""
+    from flintgen import cache
+    from flintgen.kernels.rms_norm import RMSNormDef
+
+    d = RMSNormDef()
+    v = d.variants(FLINT, sm90)[int(residual)]
+    entry = cache.make_entry(v, d.template, dict(d.render_params(FLINT, v)), sm90, str(tmp_cache))
+    cache.get_or_build(entry)
+    with open(entry.path("kernel.ptx")) as f:
+        ptx = f.read()
+    wait = ptx.index("griddepcontrol.wait")
+    weight = ptx.index("ld.global.L1::no_allocate.v4.u32")
+    assert weight < wait < ptx.index("ld.global.v4.u32")
+    assert "ld.global.nc" not in ptx
+
+
 def test_rejects_cpu_tensor():
     x = torch.zeros(2, H, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="x must be on a CUDA device, got cpu"):

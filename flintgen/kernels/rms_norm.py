@@ -20,7 +20,7 @@ class RMSNormDef(KernelDef):
     name = "rms_norm"
     template = "rms_norm.py.j2"
     description = "RMSNorm / fused residual-add RMSNorm over [M, hidden] bf16 (PDL)"
-    required_ptx = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global.nc.L1::no_allocate.v4.u32",
+    required_ptx = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global.L1::no_allocate.v4.u32",
                     "ld.global.v4.u32", "st.global.v4.u32", "rsqrt.approx.ftz.f32", "cvt.rn.bf16x2.f32")
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
