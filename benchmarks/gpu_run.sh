@@ -18,7 +18,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 rc=0
 for what in "$@"; do
     case "$what" in
-        tests) python3 -m pytest -m gpu -q -p no:cacheprovider -rfEx tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+        tests) python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider -rfEx tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
                rc=$((rc || PIPESTATUS[0])) ;;
         attention) python3 -m benchmarks.decode_attention --runs 3 2>&1 | tee "$OUT/decode_attention.log" | tail -30 ;;
         gpt-oss) python3 -m benchmarks.decode_attention --gpt-oss --runs 3 2>&1 | tee "$OUT/gpt_oss.log" | tail -5 ;;
