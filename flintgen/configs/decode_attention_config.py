@@ -1,13 +1,16 @@
 """Launch configuration of split-KV paged decode attention (cute-free).
 
-Provenance: the rule in ``launch_config`` is the hand-written Flint kernel's
-``_launch_config`` (the design page, shared/seeds/000_*.txt), tuned there on an
-H200 (132 SMs) for Flint's 4 kv heads, GQA 8, head_dim 128, 16-token pages and
-a 128-token window. It is restated here in (request, kv head) pairs, so for 4
-kv heads it picks exactly what the seed picks; other head counts and long
-windows are extrapolations, marked as such below, not measurements. So are
-every choice for head_dim 64, GQA 4 / 16 and 32- / 64-token pages (derived
-below from the bytes each unit of work moves; none of them measured yet).
+Provenance: the rule in ``launch_config`` starts from the hand-written Flint
+kernel's ``_launch_config`` (the design page, shared/seeds/000_*.txt), tuned
+there on an H200 (132 SMs) for Flint's 4 kv heads, GQA 8, head_dim 128,
+16-token pages and a 128-token window, restated in (request, kv head) pairs.
+flintgen's own H200 measurements changed it where marked below (small batches,
+GQA 16, one head_dim-64 pair); the head_dim-64 rule is derived from the
+head_dim-128 one by the bytes each unit of work moves. Tables of the choices
+against the bandwidth floor and the peers: benchmarks/results/decode_attention
+{,_gpt_oss,_shapes}.md; alternatives timed against each other:
+benchmarks/results/decode_attention_sweep.md. Long windows take the
+full-attention rule (unmeasured).
 
 Terms: a *slice* is 16 tokens of one kv head's page, [16, 2 * head_dim] bf16
 (8 KB at head_dim 128, 4 KB at 64): the unit every warp streams (a page of
@@ -193,10 +196,11 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
 
     Page size never changes the choice: the unit of work is the 16-token
     slice whatever the page (only which block-table entry a slice's address
-    comes from differs). GQA 4 and 16 get the GQA-8 choice of their head_dim:
-    the bytes per slice do not depend on it, and decode stays bound by them
-    (GQA 16 doubles the mma work per slice, 16 flop per byte, far below the
-    ~100 flop/byte where mma.sync would limit on an H200). Unmeasured.
+    comes from differs). GQA 4 gets the GQA-8 choice of its head_dim (its 4
+    heads pad one 8-column tile: the same work; decode_attention_shapes.md).
+    GQA 16 streams the same bytes but its partials hold twice the heads, so
+    the single-CTA merge costs twice as much: fewer splits at small batches
+    (measured, below).
     """
     check_supported(head_dim=head_dim, gqa=gqa, page_size=page_size)
     if batch < 1 or num_kv_heads < 1 or num_sms < 1:
@@ -233,8 +237,8 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # slices of each pair across the SMs. Seed, at 4 kv heads: batch <= 2 (<= 8
     # pairs) -> one 8-warp CTA per SM (132 // pairs splits, 2 stages);
     # otherwise two 4-warp CTAs per SM (2 * 132 // pairs splits), 2 stages
-    # while batch <= 4 (16 pairs), then 3 (deeper rings pay once each warp
-    # streams many slices). min_pages 2: a warp with a single slice spends more
+    # while batch <= 4 (16 pairs; flintgen now takes 8-warp CTAs there, below),
+    # then 3 (deeper rings pay once each warp streams many slices). min_pages 2: a warp with a single slice spends more
     # on its prologue and the merge than on streaming. flintgen's H200
     # timings (same method as above) agree at long contexts: batch 1 x 32k
     # 21.4 us (3.2 TB/s) vs 25.8 with 66 x 4-warp splits; batch 8 x 8k 37.9 us
@@ -270,13 +274,14 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
         warps, stages, min_pages = 8, 2, 2
     else:
         splits = max(1, 2 * num_sms // num_bh)
-        warps, stages, min_pages = 4, (2 if num_bh <= 16 else 3), 2
+        warps, stages, min_pages = 4, 3, 2
     return DecodeAttentionConfig(splits, warps, stages, min_pages, False, 8 // warps, head_dim, gqa)
 
 
 def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
-    """head_dim 64 (unmeasured): the head_dim-128 rule above re-derived for
-    4 KB slices, keeping what it keeps per SM and per warp.
+    """head_dim 64: the head_dim-128 rule above re-derived for 4 KB slices,
+    keeping what it keeps per SM and per warp (the derivation below; its
+    results against the floor and the peers: decode_attention_gpt_oss.md).
 
     * Warps per pair and per SM: the 8-warp, one-CTA-per-SM choice at <= 8
       pairs would leave 2 epilogue dims per thread (8 heads x 64 dims over 256
