@@ -168,11 +168,11 @@ def arrive(counter, flag, tid):
 
 
 @cute.jit
-def _load_round(vs, o_base, r0, num_splits, RCH: cutlass.Constexpr, E: cutlass.Constexpr,
+def _load_round(vs, o_base, r0: cutlass.Constexpr, num_splits, RCH: cutlass.Constexpr, E: cutlass.Constexpr,
                 ROW: cutlass.Constexpr):
     """Load splits ``r0 .. r0 + RCH`` of this thread's E dims into ``vs``
-    (``ROW``: bytes per split row; ``r0`` may be a runtime value); rows past
-    ``num_splits`` are zero and issue no load."""
+    (``ROW``: bytes per split row); rows past ``num_splits`` are zero and
+    issue no load."""
     for r in cutlass.range_constexpr(RCH):
         for k in cutlass.range_constexpr(E):
             vs[r * E + k] = Float32(0.0)
@@ -184,7 +184,7 @@ def _load_round(vs, o_base, r0, num_splits, RCH: cutlass.Constexpr, E: cutlass.C
 
 
 @cute.jit
-def _sum_round(o, vs, ml_smem, r0, num_splits, eh, MLR: cutlass.Constexpr, TH: cutlass.Constexpr,
+def _sum_round(o, vs, ml_smem, r0: cutlass.Constexpr, num_splits, eh, MLR: cutlass.Constexpr, TH: cutlass.Constexpr,
                RCH: cutlass.Constexpr, E: cutlass.Constexpr, NSPLIT: cutlass.Constexpr):
     """o += weight(split) x partial for the RCH splits from ``r0`` held in
     ``vs`` (weights from the shared m / l table; 0 past ``num_splits``)."""

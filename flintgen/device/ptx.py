@@ -67,15 +67,6 @@ def ldg_u32x4(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_nc_u32x4(addr, *, loc=None, ip=None):
-    """16-byte read-only global load (weights: never written while kernels run)."""
-    return _asm(
-        [Uint32] * 4, [(Int64, addr)],
-        "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", loc=loc, ip=ip,
-    )  # fmt: skip
-
-
-@dsl_user_op
 def ldg_cg_f32x4(addr, *, loc=None, ip=None):
     """16-byte load bypassing L1: partials written by other CTAs of this grid."""
     return _asm(
