@@ -34,6 +34,17 @@ def _gather(kv_cache, block_tables, b, seq_len, window):
     return rows[..., :d], rows[..., d:]
 
 
+def _requests(q, kv_cache, block_tables, seq_lens, window):
+    """(b, q[b] as [Hkv, G, D], K, V) for every request with seq_len > 0."""
+    batch, hq, d = q.shape
+    hkv = kv_cache.shape[1]
+    lens = seq_lens.tolist()
+    for b in range(batch):
+        if lens[b] > 0:
+            k, v = _gather(kv_cache, block_tables, b, lens[b], window)
+            yield b, q[b].view(hkv, hq // hkv, d), k, v
+
+
 def decode_attention_ref(q, kv_cache, block_tables, seq_lens, sinks, window, scale):
     """fp64 reference, [B, Hq, D] float64."""
     import torch
@@ -42,13 +53,8 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, sinks, window, sca
     hkv = kv_cache.shape[1]
     gqa = hq // hkv
     out = torch.zeros(batch, hq, d, dtype=torch.float64, device=q.device)
-    lens = seq_lens.tolist()
-    for b in range(batch):
-        if lens[b] <= 0:
-            continue
-        k, v = _gather(kv_cache, block_tables, b, lens[b], window)
-        qb = q[b].double().view(hkv, gqa, d)
-        s = torch.einsum("hgd,hnd->hgn", qb, k.double()) * scale          # [Hkv, G, n]
+    for b, qb, k, v in _requests(q, kv_cache, block_tables, seq_lens, window):
+        s = torch.einsum("hgd,hnd->hgn", qb.double(), k.double()) * scale          # [Hkv, G, n]
         if sinks is not None:
             sk = sinks.double().view(hkv, gqa, 1)
         else:
@@ -67,13 +73,8 @@ def decode_attention_seed_rounding(q, kv_cache, block_tables, seq_lens, sinks, w
     gqa = hq // hkv
     c = scale * LOG2E
     out = torch.zeros(batch, hq, d, dtype=torch.bfloat16, device=q.device)
-    lens = seq_lens.tolist()
-    for b in range(batch):
-        if lens[b] <= 0:
-            continue
-        k, v = _gather(kv_cache, block_tables, b, lens[b], window)
-        qb = q[b].float().view(hkv, gqa, d)
-        s = torch.einsum("hgd,hnd->hgn", qb, k.float())                    # fp32 from bf16
+    for b, qb, k, v in _requests(q, kv_cache, block_tables, seq_lens, window):
+        s = torch.einsum("hgd,hnd->hgn", qb.float(), k.float())                    # fp32 from bf16
         m = s.amax(dim=-1, keepdim=True)
         p = torch.exp2(s * c - m * c)
         l = p.sum(dim=-1, keepdim=True)
