@@ -179,15 +179,20 @@ def test_register_dequant_model_is_exact():
 
 # ============================================================== config (CPU)
 def test_config_heuristic():
-    assert QKVConfig.from_heuristic(2048, 128, "nvfp4") == QKVConfig(32, 4, 8, 4)
+    assert QKVConfig.from_heuristic(2048, 128, "nvfp4") == QKVConfig(32, 4, 8, 4, early_dequant=2)
+    assert QKVConfig.from_heuristic(4096, 128, "nvfp4") == QKVConfig(32, 4, 8, 5, early_dequant=1)
     assert QKVConfig.from_heuristic(4096, 128, "bf16") == QKVConfig(32, 4, 8, 2)
-    assert QKVConfig.from_heuristic(2048, 256, "nvfp4") == QKVConfig(32, 8, 8, 4)
+    assert QKVConfig.from_heuristic(2048, 256, "nvfp4") == QKVConfig(32, 8, 8, 4, early_dequant=2)
     assert QKVConfig.from_heuristic(2880, 64, "nvfp4") == QKVConfig(16, 4, 8, 6)
     assert QKVConfig.from_heuristic(2880, 64, "bf16").cluster == 4
     with pytest.raises(ValueError, match="hidden_size = 2064 .* multiple of 64"):
         QKVConfig.from_heuristic(2064, 128, "bf16")
     with pytest.raises(ValueError, match="cluster = 16 is outside 1..8"):
         QKVConfig(16, 16, 4, 4)
+    with pytest.raises(ValueError, match=r"early_dequant = 5 must be a step count 0..prefetch \(4\)"):
+        QKVConfig(32, 4, 8, 4, 5)
+    with pytest.raises(ValueError, match="early_dequant = True must be a step count"):
+        QKVConfig(32, 4, 8, 4, True)
 
 
 def test_variant_names_every_code_path():
@@ -458,14 +463,15 @@ def test_numerics(ops, name, m):
     assert torch.equal(c.v_cache.nan_to_num(7.0), v_dbg.nan_to_num(7.0))
 
 
-OTHER_CONFIGS = [("flint", QKVConfig(16, 8, 8, 4, True), 8), ("flint", QKVConfig(16, 8, 8, 4), 5),
+OTHER_CONFIGS = [("flint", QKVConfig(32, 4, 8, 4), 8), ("flint", QKVConfig(32, 4, 8, 4, 3), 2),
+                 ("flint", QKVConfig(16, 8, 8, 4, 4), 8), ("flint", QKVConfig(16, 8, 8, 4), 5),
                  ("flint", QKVConfig(16, 8, 4, 8), 3), ("bf16_4096", QKVConfig(16, 8, 8, 4), 8),
-                 ("oss_nvfp4", QKVConfig(16, 4, 8, 6, True), 6)]
+                 ("oss_nvfp4", QKVConfig(16, 4, 8, 6, 6), 6)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, cfg, m", OTHER_CONFIGS,
-                         ids=[f"{n}-r{c.rows}w{c.warps}p{c.prefetch}e{int(c.early_dequant)}" for n, c, _ in OTHER_CONFIGS])
+                         ids=[f"{n}-r{c.rows}w{c.warps}p{c.prefetch}e{c.early_dequant}" for n, c, _ in OTHER_CONFIGS])
 def test_numerics_other_launch_configs(name, cfg, m):
     """The configurations a benchmark sweep may pick compute the same contract."""
     from flintgen import toolchain

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 MAX_CLUSTER = 8          # portable cluster-size limit (no opt-in attribute needed)
 K_STEP = 64              # k per warp step: 4 threads x 16 values (one NVFP4 scale block each)
 PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights
+# Registers per thread the prefetched weights may take once some of them are
+# dequantized before the grid wait: flint's 32-row CTAs use 88 (+ ~36 others =
+# 124), so two 256-thread CTAs still fit an SM (160 CTAs, one wave).
+EARLY_DEQUANT_REG_BUDGET = 88
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ class QKVConfig:
     cluster: int    # CTAs per head
     warps: int      # K split inside the CTA
     prefetch: int   # steps of weights a warp keeps in flight
-    early_dequant: bool = False  # NVFP4: dequantize the prefetched steps before the grid wait
+    early_dequant: int = 0  # NVFP4: prefetched steps dequantized before the grid wait
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -32,10 +36,11 @@ class QKVConfig:
                              "(the portable cluster limit): use more rows per CTA")
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"QKVConfig.warps = {self.warps} must be a power of two <= 16")
-        if self.early_dequant and self.prefetch < 1:
-            raise ValueError("QKVConfig.early_dequant needs prefetched steps")
         if self.prefetch < 1:
             raise ValueError(f"QKVConfig.prefetch = {self.prefetch} must be >= 1")
+        if isinstance(self.early_dequant, bool) or not 0 <= self.early_dequant <= self.prefetch:
+            raise ValueError(f"QKVConfig.early_dequant = {self.early_dequant!r} must be a step count "
+                             f"0..prefetch ({self.prefetch})")
 
     @property
     def tiles(self) -> int:
@@ -50,6 +55,16 @@ class QKVConfig:
         """Registers one step of weights takes per thread: rows g, g+8 of each
         tile; NVFP4 = 2 words + 1 scale byte per row, bf16 = 8 words per row."""
         return tiles * (6 if weight_format == "nvfp4" else 16)
+
+    @staticmethod
+    def early_steps(prefetch: int, tiles: int) -> int:
+        """NVFP4 steps to dequantize before the grid wait: as many as keep the
+        weights within EARLY_DEQUANT_REG_BUDGET (a dequantized step takes 16
+        registers per tile, a raw one 6)."""
+        e = 0
+        while e < prefetch and (prefetch - e - 1) * 6 * tiles + (e + 1) * 16 * tiles <= EARLY_DEQUANT_REG_BUDGET:
+            e += 1
+        return e
 
     @classmethod
     def from_heuristic(cls, hidden: int, head_dim: int, weight_format: str) -> "QKVConfig":
@@ -68,8 +83,17 @@ class QKVConfig:
           (NVFP4 6 per tile and step, bf16 16): flint 4 (all of a warp's
           steps, issued before the grid-dependency wait); bf16 4096 r32 -> 2
           (p3: 18.8 us, 144 registers).
-        * early_dequant off: 22-30% slower (95-166 registers -> fewer CTAs
-          per SM) than dequantizing after the wait.
+        * early_dequant (benchmarks/results/qkv_sweep.md, 2026-11-29 session
+          3): after the grid wait a 32-row CTA's NVFP4 dequantization is
+          issue-bound (~550 instructions per thread, two CTAs on 28 SMs); the
+          ablation puts the MMA stage at 1.6 us of flint's 4.75 us GEMV.
+          Dequantizing 2 of the 4 prefetched steps before the wait (124
+          registers, still 2 CTAs per SM): step 4.39-4.52 / 5.04-5.22 us
+          (M = 1 / 8) against 5.57-5.71 / 6.39-6.50; 3 steps (142 registers,
+          1 CTA per SM, grid in two waves) 7.46 / 8.15; all 4 (166) 7.44 /
+          7.87. With 16-row CTAs (320 per grid) early dequantization was
+          slower (6.19 vs 5.36 us GEMV: 95 registers, two waves), so rows 16
+          keeps 0.
         """
         if hidden % K_STEP:
             raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: "
@@ -83,4 +107,5 @@ class QKVConfig:
         warps = 8
         per_warp = -(-(hidden // K_STEP) // warps)
         prefetch = max(1, min(per_warp, PREFETCH_REG_BUDGET // cls.regs_per_step(weight_format, rows // 16)))
-        return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch)
+        early = cls.early_steps(prefetch, rows // 16) if weight_format == "nvfp4" and rows == 32 else 0
+        return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch, early_dequant=early)

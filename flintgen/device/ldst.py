@@ -167,11 +167,14 @@ def lds_u32x2(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def st_cluster_u32x4(addr, a, b, c, d, *, loc=None, ip=None):
-    """16-byte store to a ``mapa``-translated shared address of a cluster peer."""
+def st_async_cluster_u32x4(addr, a, b, c, d, mbar, *, loc=None, ip=None):
+    """16-byte asynchronous store to a ``mapa``-translated shared address of a
+    cluster peer, completing 16 bytes on the peer's mbarrier ``mbar`` (also
+    ``mapa``-translated): the receiver waits on its mbarrier, no cluster barrier."""
     _asm(
-        [], [(Uint32, addr), (Uint32, a), (Uint32, b), (Uint32, c), (Uint32, d)],
-        "st.shared::cluster.v4.u32 [$0], {$1, $2, $3, $4};", side_effects=True, loc=loc, ip=ip,
+        [], [(Uint32, addr), (Uint32, a), (Uint32, b), (Uint32, c), (Uint32, d), (Uint32, mbar)],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
+        side_effects=True, loc=loc, ip=ip,
     )  # fmt: skip
 
 

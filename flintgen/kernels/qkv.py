@@ -52,7 +52,7 @@ class QKVDef(KernelDef):
         "griddepcontrol.launch_dependents", "griddepcontrol.wait",
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
         "barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32",
-        "st.shared::cluster.v4.u32",
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32",
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
     )
 
@@ -69,7 +69,7 @@ class QKVDef(KernelDef):
             weight_format=spec.weight_format, bias=spec.qkv_bias,
             rope=spec.rope_style != "none", qk_norm=spec.qk_norm, debug=debug,
             rows=cfg.rows, cluster=cfg.cluster, warps=cfg.warps, prefetch=cfg.prefetch,
-            early_dequant=cfg.early_dequant and spec.weight_format == "nvfp4",
+            early_dequant=cfg.early_dequant if spec.weight_format == "nvfp4" else 0,
         )
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
