@@ -15,8 +15,8 @@ MAX_CLUSTER = 8          # portable cluster-size limit (no opt-in attribute need
 K_STEP = 64              # k per warp step: 4 threads x 16 values (one NVFP4 scale block each)
 PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights
 # Registers per thread the prefetched weights may take once some of them are
-# dequantized before the grid wait: flint's 32-row CTAs use 88 (+ ~36 others =
-# 124), so two 256-thread CTAs still fit an SM (160 CTAs, one wave).
+# dequantized before the grid wait: flint's 32-row CTAs use 88 (+ 38 others =
+# 126), so two 256-thread CTAs still fit an SM (160 CTAs, one wave).
 EARLY_DEQUANT_REG_BUDGET = 88
 
 
@@ -87,13 +87,15 @@ class QKVConfig:
           3): after the grid wait a 32-row CTA's NVFP4 dequantization is
           issue-bound (~550 instructions per thread, two CTAs on 28 SMs); the
           ablation puts the MMA stage at 1.6 us of flint's 4.75 us GEMV.
-          Dequantizing 2 of the 4 prefetched steps before the wait (124
-          registers, still 2 CTAs per SM): step 4.39-4.52 / 5.04-5.22 us
-          (M = 1 / 8) against 5.57-5.71 / 6.39-6.50; 3 steps (142 registers,
-          1 CTA per SM, grid in two waves) 7.46 / 8.15; all 4 (166) 7.44 /
-          7.87. With 16-row CTAs (320 per grid) early dequantization was
-          slower (6.19 vs 5.36 us GEMV: 95 registers, two waves), so rows 16
-          keeps 0.
+          Dequantizing 2 of the 4 prefetched steps before the wait (126
+          registers, still 2 CTAs per SM), with the rows sent to rank 0 by
+          st.async: step 4.41-4.52 / 5.01-5.12 us (M = 1 / 8, three runs)
+          against 5.57-5.71 / 6.39-6.50 before; in one sweep run, 0 / 1 / 3
+          early steps 5.36 / 4.77 / 6.88 (M = 1) and 6.04 / 5.38 / 7.57
+          (M = 8) against 2's 4.41 / 5.05: 3 steps take 142 registers, one
+          CTA per SM, and the grid runs in two waves. With 16-row CTAs (320
+          per grid) early dequantization was slower (6.19 vs 5.36 us GEMV: 95
+          registers, two waves), so rows 16 keeps 0.
         """
         if hidden % K_STEP:
             raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: "
