@@ -29,18 +29,23 @@ G16 = shape_spec(16, 128, 64).replace(**FULL)     # 32 q / 2 kv per rank: two he
 G16_D64 = shape_spec(16, 64, 32).replace(**FULL)
 
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
-# GQA 16 (decode_attention_shapes.md: B=1 loses to XQA): a split's partial is
-# twice as large (16 heads), so the single-CTA merge of a pair costs twice as
-# much; fewer splits trade streaming parallelism for it.
+# Merging split partials with several CTAs (merge_ctas: the last R to arrive
+# merge a group of heads each). Ablation (results/decode_attention_sweep.md,
+# run 6): the single-CTA merge is 1.5 / 2.75 us of 16/2 B=1 at L = 1k / 32k.
+OSS8 = FLINT.replace(num_q_heads=8, num_kv_heads=1, head_dim=64, **FULL)
 ROWS = {
     **{f"g16 d128 B=1 L={L // 1024}k": (G16, 1, L, None, [
-        C(66, 8, 2, 1, False, 1), C(33, 8, 2, 1, False, 1), C(22, 8, 2, 1, False, 1), C(33, 8, 3, 1, False, 1)])
+        C(33, 8, 2, 1, False, 1, 128, 16), C(33, 8, 2, 1, False, 1, 128, 16, merge_ctas=4),
+        C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4), C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=8)])
        for L in (1024, 8192, 32768)},
     **{f"g16 d64 B=1 L={L // 1024}k": (G16_D64, 1, L, None, [
-        C(132, 4, 4, 1, False, 2, 64, 16), C(66, 4, 4, 1, False, 2, 64, 16), C(66, 4, 6, 1, False, 2, 64, 16),
-        C(33, 4, 6, 1, False, 2, 64, 16)]) for L in (1024, 8192, 32768)},
-    "g16 d128 B=32 L=8k": (G16, 32, 8192, None, [
-        C(4, 4, 3, 2, False, 2), C(2, 8, 2, 2, False, 1), C(2, 8, 3, 2, False, 1), C(4, 4, 2, 2, False, 2)]),
+        C(33, 4, 6, 1, False, 2, 64, 16), C(33, 4, 6, 1, False, 2, 64, 16, merge_ctas=4),
+        C(66, 4, 6, 1, False, 2, 64, 16, merge_ctas=4), C(66, 4, 4, 1, False, 2, 64, 16, merge_ctas=8)])
+       for L in (1024, 8192, 32768)},
+    **{f"g16 d128 B=4 L={L // 1024}k": (G16, 4, L, None, [
+        C(8, 8, 2, 1, False, 1, 128, 16), C(8, 8, 2, 1, False, 1, 128, 16, merge_ctas=4),
+        C(16, 8, 2, 1, False, 1, 128, 16, merge_ctas=4)])
+       for L in (8192, 32768)},
 }
 
 

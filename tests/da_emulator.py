@@ -341,6 +341,12 @@ def _ptx(gmem):
     p = types.SimpleNamespace()
     p.ldg_u32x4 = lambda addr: tuple(int(x) for x in gmem.read(int(addr), np.uint32, 4))
     p.ldg_cg_f32x4 = lambda addr: tuple(gmem.read(int(addr), np.float32, 4))
+    p.ldg_cg_f32x2 = lambda addr: tuple(gmem.read(int(addr), np.float32, 2))
+    p.ldg_cg_f32 = lambda addr: gmem.read(int(addr), np.float32, 1)[0]
+    p.ld_acquire_i32 = lambda addr: int(gmem.read(int(addr), np.int32, 1)[0])
+    # A CTA polling an arrival counter: run the next CTA of its (request, kv
+    # head) that has not run yet (CTAs otherwise run one after another).
+    p.nanosleep = lambda ns: _CTX.launch.run_next_of_pair(_CTX.cta.block)
     p.ldg_u32_pred = lambda addr, pred: int(gmem.read(int(addr), np.uint32, 1)[0]) if pred else 0
     p.stg_u32x4 = lambda addr, a, b, c, d: gmem.write(int(addr), np.uint32, [a, b, c, d])
     p.stg_u32x2 = lambda addr, a, b: gmem.write(int(addr), np.uint32, [a, b])
@@ -405,12 +411,25 @@ class _Launch:
 
     def launch(self, grid, block, stream=None, cluster=None, use_pdl=False):
         gx, gy, gz = (int(v) for v in grid)
-        threads = int(block[0])
+        self.threads = threads = int(block[0])
         cx = int(cluster[0]) if cluster else 1
-        for z in range(gz):
-            for y in range(gy):
-                for x0 in range(0, gx, cx):
-                    self._run_cluster([(x0 + r, y, z) for r in range(cx)], threads, cx > 1)
+        self.pending = [(x0, y, z) for z in range(gz) for y in range(gy) for x0 in range(0, gx, cx)]
+        self.lock = threading.Lock()
+        while True:
+            with self.lock:
+                if not self.pending:
+                    break
+                x0, y, z = self.pending.pop(0)
+            self._run_cluster([(x0 + r, y, z) for r in range(cx)], threads, cx > 1)
+
+    def run_next_of_pair(self, block):
+        """Run the next pending (unclustered) CTA with ``block``'s (y, z)."""
+        with self.lock:
+            nxt = next((b for b in self.pending if b[1:] == tuple(block[1:])), None)
+            if nxt is None:
+                raise AssertionError(f"CTA {block} waits on its pair's counter but no CTA of the pair is left")
+            self.pending.remove(nxt)
+        self._run_cluster([nxt], self.threads, False)
 
     def _run_cluster(self, blocks, threads, clustered):
         ctas = []
@@ -422,7 +441,7 @@ class _Launch:
         errors = []
 
         def body(cta, tid):
-            _CTX.cta, _CTX.tid = cta, tid
+            _CTX.cta, _CTX.tid, _CTX.launch = cta, tid, self
             _CTX.cl_arrived = _CTX.cl_waited = 0
             try:
                 self.fn(self.obj, *self.args)

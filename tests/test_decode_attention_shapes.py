@@ -85,17 +85,19 @@ def test_head_dim_128_keeps_the_flint_choices(gqa, page):
 
 
 def test_gqa_16_rule():
-    """GQA 16 (two head tiles, partials twice as large): half the splits at
-    <= 8 pairs, 8-warp CTAs one per SM while that gives >= 2 splits
-    (measured, see the config module); sliding windows unchanged."""
+    """GQA 16 (two head tiles, partials twice as large): at <= 8 pairs and
+    head_dim 128 the last 4 CTAs to arrive merge (4 heads each), head_dim 64
+    halves the splits instead; 8-warp CTAs one per SM while that gives >= 2
+    splits (measured, see the config module); sliding windows unchanged."""
     def cfg(batch, kv, d, gqa, sliding=False):
         c = dac.launch_config(batch=batch, num_kv_heads=kv, sliding=sliding, window=128 if sliding else None,
                               head_dim=d, gqa=gqa, page_size=64, num_sms=132)
-        return c.num_splits, c.num_warps, c.num_stages, c.min_pages, c.cluster
-    assert cfg(1, 2, 128, 16) == (33, 8, 2, 1, False) and cfg(1, 2, 128, 8) == (66, 8, 2, 1, False)
-    assert cfg(32, 2, 128, 16) == (2, 8, 2, 2, False) and cfg(32, 2, 128, 8) == (4, 4, 3, 2, False)
-    assert cfg(64, 2, 128, 16) == cfg(64, 2, 128, 8) == (2, 4, 3, 2, False)    # 1 split per SM: the 4-warp rule
-    assert cfg(1, 2, 64, 16) == (33, 4, 6, 1, False) and cfg(1, 2, 64, 8) == (132, 4, 4, 1, False)
+        return c.num_splits, c.num_warps, c.num_stages, c.min_pages, c.cluster, c.merge_ctas
+    assert cfg(1, 2, 128, 16) == (66, 8, 2, 1, False, 4) and cfg(1, 2, 128, 8) == (66, 8, 2, 1, False, 1)
+    assert cfg(4, 2, 128, 16) == (16, 8, 2, 1, False, 4) and cfg(5, 2, 128, 16)[-1] == 1
+    assert cfg(32, 2, 128, 16) == (2, 8, 2, 2, False, 1) and cfg(32, 2, 128, 8) == (4, 4, 3, 2, False, 1)
+    assert cfg(64, 2, 128, 16) == cfg(64, 2, 128, 8) == (2, 4, 3, 2, False, 1)    # 1 split per SM: 4-warp rule
+    assert cfg(1, 2, 64, 16) == (33, 4, 6, 1, False, 1) and cfg(1, 2, 64, 8) == (132, 4, 4, 1, False, 1)
     assert cfg(16, 2, 64, 16) == cfg(16, 2, 64, 8)
     assert cfg(1, 2, 128, 16, True) == cfg(1, 2, 128, 8, True)
 
@@ -297,6 +299,31 @@ def test_emulated_kernel(gqa, head_dim, page, sinks, launches):
                         f"{op.config(len(lens), window is not None).as_params()}")
 
 
+# (GQA, head_dim, warps, splits, merge_ctas, seq_lens): the last merge_ctas CTAs
+# to arrive merge a group of heads each; fewer active splits than mergers
+# (R = active), padded heads, two tiles, and a request with one active split.
+MERGE_CASES = [
+    (8, 128, 8, 8, 4, [16 * 8 * 8 + 5, 16 * 8 * 3]),      # 8 active splits; 3 active (R = 3)
+    (4, 128, 4, 6, 4, [16 * 4 * 6, 40]),                   # padded tile; 1 active split: no merge
+    (16, 64, 4, 5, 4, [16 * 4 * 5 + 1, 16 * 4 * 2]),       # two tiles, head_dim 64; R = 2
+    (8, 64, 4, 4, 2, [16 * 4 * 4]),                        # 2 mergers of 4 heads
+]
+
+
+@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, lens", MERGE_CASES, ids=lambda x: None)
+def test_emulated_merge_by_several_ctas(monkeypatch, gqa, head_dim, warps, splits, merge, lens):
+    """Split partials merged by the last ``merge_ctas`` CTAs to arrive (one
+    group of heads each, all but the last waiting on the counter) match the
+    reference, and the counters are reset (checked by the emulator)."""
+    cfg = dac.DecodeAttentionConfig(splits, warps, 2, 1, False, 0, head_dim, gqa, merge_ctas=merge)
+    monkeypatch.setattr(dac, "launch_config", lambda **kw: cfg)
+    spec = shape_spec(gqa, head_dim, 16, kv=2, max_batch=len(lens)).replace(name=f"merge{merge}-g{gqa}")
+    case = Case(spec, lens, None, seed=sum(lens), device="cpu")
+    out = case.poisoned_out()
+    EmulatedOp(spec)(*case.args(out))
+    case.check(out, f"emulated merge_ctas={merge} {cfg.as_params()} lens={lens}")
+
+
 def test_emulated_block_id_window_of_long_pages():
     """A warp with more than 32 slices of 32-token pages refreshes its
     block-id window (slice -> table entry slice // 2) and starts mid-page."""
@@ -417,6 +444,45 @@ def test_cuda_graph_replay(precompiled, which):
         if it % 20 == 0 or it == 59:
             for case, out in cases:
                 case.check(out, f"graph {spec.name} replay {it} b={case.q.shape[0]}")
+    torch.cuda.synchronize()
+    ws = op._workspaces[torch.device("cuda", torch.cuda.current_device())]
+    assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, lens", MERGE_CASES, ids=lambda x: None)
+def test_merge_by_several_ctas_gpu(monkeypatch, gqa, head_dim, warps, splits, merge, lens):
+    """The H200 twin of test_emulated_merge_by_several_ctas: the last
+    ``merge_ctas`` CTAs to arrive merge (all but the last polling the
+    counter); eager launches, then a graph replayed 40 times with lengths and
+    block tables changed in place (active splits from 0 to all, so the
+    merging CTAs vary); counters end at 0."""
+    import flintgen
+
+    cfg = dac.DecodeAttentionConfig(splits, warps, 2, 1, False, 0, head_dim, gqa, merge_ctas=merge)
+    monkeypatch.setattr(dac, "launch_config", lambda **kw: cfg)
+    spec = shape_spec(gqa, head_dim, 16, kv=2, max_batch=len(lens)).replace(
+        name=f"gpu-merge{merge}-g{gqa}-d{head_dim}-s{splits}-w{warps}")
+    op = flintgen.get_kernel(spec, "decode_attention")
+    width = -(-max(lens) // 16)
+    case = Case(spec, [width * 16] * len(lens), None, seed=sum(lens), extra_cols=0)   # no NaN page tails
+    rnd = random.Random(merge * 1000 + splits)
+    out = case.poisoned_out()
+    for first in ([width * 16] * len(lens), lens):
+        refill(case, rnd, first)
+        out.fill_(float("nan"))
+        op(*case.args(out))
+        case.check(out, f"merge_ctas={merge} eager {first}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(*case.args(out))
+    for it in range(40):
+        new = [rnd.choice([0, 1, 17, rnd.randint(1, width * 16), width * 16]) for _ in lens]
+        refill(case, rnd, new)
+        out.fill_(float("nan"))
+        graph.replay()
+        if it % 8 == 0 or it == 39:
+            case.check(out, f"merge_ctas={merge} graph replay {it} lens={new}")
     torch.cuda.synchronize()
     ws = op._workspaces[torch.device("cuda", torch.cuda.current_device())]
     assert int(ws.counters.abs().sum()) == 0

@@ -74,6 +74,9 @@ class DecodeAttentionConfig:
     # carries them separately, ``as_params`` leaves them out).
     head_dim: int = 128
     gqa: int = 8
+    # CTAs that merge a pair's split partials (the last ones to arrive; each
+    # takes tile_heads / merge_ctas heads). 1: the last CTA alone.
+    merge_ctas: int = 1
 
     def __post_init__(self) -> None:
         if self.num_warps not in (4, 8):
@@ -93,6 +96,13 @@ class DecodeAttentionConfig:
         if self.scratch_bytes > self.ring_bytes:
             raise ValueError(f"{self.num_splits} splits need {self.scratch_bytes} B of epilogue "
                              f"scratch, more than the {self.ring_bytes} B ring it reuses")
+        if self.merge_ctas != 1:
+            th, threads = self.tile_heads, 32 * self.num_warps
+            m = self.merge_ctas
+            if (not self.uses_partials or m not in (2, 4, 8) or th % m
+                    or (th // m * d) % threads or not 1 <= th // m * d // threads <= 2):
+                raise ValueError(f"merge_ctas = {m} needs global split partials and {th} heads x {d} dims "
+                                 f"split into {m} groups of 1 or 2 dims per thread of {threads}, got {self}")
         if self.cluster:
             # Rank r merges head dims [r * D / splits, ...): the slice must hold
             # whole per-thread chunks of E dims and split evenly over the CTA.
@@ -133,6 +143,11 @@ class DecodeAttentionConfig:
         return self.tile_heads * self.head_dim + 2 * self.tile_heads * self.num_splits if self.cluster else 0
 
     @property
+    def merge_dims(self) -> int:
+        """Consecutive dims per thread when ``merge_ctas`` CTAs merge."""
+        return self.tile_heads // self.merge_ctas * self.head_dim // (32 * self.num_warps)
+
+    @property
     def uses_partials(self) -> bool:
         """Whether launches write global fp32 split partials + arrival counters."""
         return self.num_splits > 1 and not self.cluster
@@ -140,7 +155,7 @@ class DecodeAttentionConfig:
     def as_params(self) -> dict:
         return {"num_splits": self.num_splits, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "min_pages": self.min_pages,
-                "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm}
+                "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm, "merge_ctas": self.merge_ctas}
 
 
 def check_supported(*, head_dim: int, gqa: int, page_size: int) -> None:
@@ -261,13 +276,27 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     #
     # GQA 16 (two head tiles: a split's partial holds 16 heads, twice the
     # bytes the pair's single-CTA merge reads), measured (sweep run 5,
-    # 32 q / 2 kv, head_dim 128, pages of 64): at <= 8 pairs half the splits,
+    # 32 q / 2 kv, head_dim 128, pages of 64): at <= 8 pairs half the splits
+    # (until the several-CTA merge below),
     # B=1 L = 1k / 8k / 32k: 33 splits 7.67 / 11.65 / 20.56 us vs 66 8.24 /
     # 14.32 / 19.05 (XQA 13.54 at 8k); at 17..66 pairs 8-warp CTAs, one per
     # SM: B=32 L=8k 66.62 us (2 splits) vs 69.39 with 4 x 4-warp splits.
+    #
+    # GQA 16 at <= 8 pairs, revised (sweep runs 6-7, 2026-11-29 session 3):
+    # the single-CTA merge of 16-head partials (8 KB per split) is bound by
+    # one SM; with the last 4 arrivals merging 4 heads each, the full
+    # num_sms // pairs splits pay off. 32 q / 2 kv, head_dim 128: B=1 L = 1k /
+    # 8k / 32k 8.68 / 10.52 / 15.27 us vs 7.64 / 11.58 / 20.49 (33 splits, one
+    # merger); B=4 L = 8k / 32k 13.21 / 38.85 vs 17.59 / 53.27. The same
+    # change slowed Flint's 8 heads (4 KB partials: 16/2 B=1 L=1k / 32k 6.52 /
+    # 11.56 vs 5.43 / 11.42, B=8 L=8k 21.25 vs 20.25), where the merge is
+    # latency-bound, not bandwidth-bound.
     two_tiles = gqa > 8
+    if num_bh <= 8 and two_tiles:
+        return DecodeAttentionConfig(max(1, num_sms // num_bh), 8, 2, 1, False, 1, head_dim, gqa,
+                                     merge_ctas=4 if num_sms // num_bh >= 2 else 1)
     if num_bh <= 8:
-        splits = max(1, num_sms // num_bh // (2 if two_tiles else 1))
+        splits = max(1, num_sms // num_bh)
         warps, stages, min_pages = 8, 2, 1
     elif num_bh <= 16 or (two_tiles and num_sms // num_bh >= 2):
         splits = max(1, num_sms // num_bh)

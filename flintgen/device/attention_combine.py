@@ -197,27 +197,12 @@ def _sum_round(o, vs, ml_smem, r0: cutlass.Constexpr, num_splits, eh, MLR: cutla
 
 
 @cute.jit
-def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_log2, sink_s, out_row,
-                   o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
-                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
-    """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
-    at ``po_base``/``pml_base`` (rows of split 0) and write the output of the
-    real heads (``eh < G``; padded heads are merged, never stored).
-
-    ``ml_smem``: shared scratch of ``2 TH * NSPLIT + 2 TH`` floats (m, l table,
-    then the per-head merged m * c and l)."""
+def stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT: cutlass.Constexpr,
+                  NW: cutlass.Constexpr, TH: cutlass.Constexpr):
+    """Stage the pair's m / l table in ``ml_smem`` (``2 TH * NSPLIT + 2 TH``
+    floats), replace each split's l by its merge weight and append the merged
+    m * c and l per head. Ends with a CTA barrier."""
     MLR = 2 * TH        # floats per split row of the m / l table
-    ROW = TH * D * 4    # bytes per split row of part_o
-    # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
-    # thread; the first round is issued before the m / l staging to hide its
-    # L2 latency behind it.
-    RCH = min(NSPLIT, max(1, 128 // E))
-    o_base = po_base + (eh * D + ed) * 4
-    vs = cute.make_rmem_tensor((RCH * E,), Float32)
-    # Loads of splits past ``num_splits`` are skipped, not clamped: with a
-    # 66-split variant and 8 active splits, clamped loads cost ~1.3 us at
-    # B=1, L=1k (66 vs 8 static splits, same active count; H200 sweep).
-    _load_round(vs, o_base, 0, num_splits, RCH, E, ROW)
     THREADS = 32 * NW
     Q4 = MLR // 4       # 16-byte loads per split row
     # Unrolled (at most 9 guarded iterations) so that all of a thread's loads
@@ -266,6 +251,31 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
             ptx.sts_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4, lh)
     cute.arch.sync_threads()
 
+
+@cute.jit
+def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_log2, sink_s, out_row,
+                   o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
+                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
+    """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
+    at ``po_base``/``pml_base`` (rows of split 0) and write the output of the
+    real heads (``eh < G``; padded heads are merged, never stored).
+
+    ``ml_smem``: shared scratch of ``2 TH * NSPLIT + 2 TH`` floats (m, l table,
+    then the per-head merged m * c and l)."""
+    MLR = 2 * TH        # floats per split row of the m / l table
+    ROW = TH * D * 4    # bytes per split row of part_o
+    # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
+    # thread; the first round is issued before the m / l staging to hide its
+    # L2 latency behind it.
+    RCH = min(NSPLIT, max(1, 128 // E))
+    o_base = po_base + (eh * D + ed) * 4
+    vs = cute.make_rmem_tensor((RCH * E,), Float32)
+    # Loads of splits past ``num_splits`` are skipped, not clamped: with a
+    # 66-split variant and 8 active splits, clamped loads cost ~1.3 us at
+    # B=1, L=1k (66 vs 8 static splits, same active count; H200 sweep).
+    _load_round(vs, o_base, 0, num_splits, RCH, E, ROW)
+    stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, TH)
+
     m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + eh) * 4)
     l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + eh) * 4)
     for e in cutlass.range_constexpr(E):
@@ -284,6 +294,78 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
             _sum_round(o, vs, ml_smem, r0, num_splits, eh, MLR, TH, min(RCH, NSPLIT - r0), E, NSPLIT)
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
     store_head(out_row, eh, ed, o, inv, E, G, TH)
+
+
+# ---------------------------------------------------------------- merge by several CTAs
+# At long contexts one CTA reading every split's partial is bound by one SM's
+# L2 bandwidth (16/2 heads, B=1, L=32k: 66 x 4 KB per kv head; the merge is
+# 2.75 of 11.6 us, H200 ablation). The last ``R = min(MERGE_CTAS, splits)``
+# CTAs to arrive each merge a group of heads instead; all but the very last
+# wait for the counter to reach ``splits`` (every CTA of the grid has started
+# by then: dependents launch only after every CTA streamed, and the CTAs
+# still to arrive are running), then count again; the last to finish resets
+# the counter for the next launch.
+@cute.jit
+def wait_count(counter, target, tid):
+    """Thread 0 polls ``counter`` (acquire) until it reaches ``target``; the
+    barrier hands what it acquired to the CTA."""
+    if tid == 0:
+        while ptx.ld_acquire_i32(counter) < target:
+            ptx.nanosleep(Int32(32))
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def depart(counter, last, tid):
+    """A merging CTA is done: count it; the one that brings the counter to
+    ``last`` (every merger counted) resets it to 0."""
+    if tid == 0:
+        if ptx.atomic_add_acq_rel(counter, Int32(1)) == last:
+            ptx.stg_i32_relaxed(counter, Int32(0))
+
+
+@cute.jit
+def merge_group(po_base, num_splits, tid, ml_smem, sinks, head0, out_b, so1, grp,
+                NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr,
+                TH: cutlass.Constexpr, G: cutlass.Constexpr, HG: cutlass.Constexpr, EM: cutlass.Constexpr):
+    """Merge heads ``grp * HG .. grp * HG + HG - 1`` of the pair (weights staged
+    by ``stage_weights``) and write the real ones: thread ``tid`` owns ``EM``
+    consecutive dims (``HG * D == 32 * NW * EM``), loads of one warp are one
+    coalesced row segment per split."""
+    MLR = 2 * TH
+    ROW = TH * D * 4
+    RCH = min(NSPLIT, 64 // EM)      # splits per round: 64 floats in flight per thread
+    h = grp * HG + (tid * EM) // D
+    d0 = (tid * EM) % D
+    o_base = po_base + Int64((h * D + d0) * 4)
+    o = [Float32(0.0)] * EM
+    for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
+        if r0 < num_splits:
+            vs = [Float32(0.0)] * (RCH * EM)
+            for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
+                if r0 + r < num_splits:
+                    if cutlass.const_expr(EM == 2):
+                        v = ptx.ldg_cg_f32x2(o_base + Int64(r0 + r) * ROW)
+                        vs[2 * r] = v[0]
+                        vs[2 * r + 1] = v[1]
+                    else:
+                        vs[r] = ptx.ldg_cg_f32(o_base + Int64(r0 + r) * ROW)
+            for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
+                row = cutlass.min(r0 + r, Int32(NSPLIT - 1)) * MLR
+                wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + h) * 4), Float32(0.0),
+                               Int32(r0 + r < num_splits))  # fmt: skip
+                for e in cutlass.range_constexpr(EM):
+                    o[e] = o[e] + wgt * vs[r * EM + e]
+    m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + h) * 4)
+    l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4)
+    sink_s = Float32(sinks[head0 + cutlass.min(h, Int32(G - 1))]) * LOG2E
+    inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
+    dst = out_b + Int64(head0 + h) * so1 * 2 + Int64(d0 * 2)
+    if h < G:
+        if cutlass.const_expr(EM == 2):
+            ptx.stg_u32(dst, ptx.bf16x2(o[0] * inv, o[1] * inv))
+        else:
+            stg_b16(dst, ptx.bf16x2(o[0] * inv, o[0] * inv))
 
 
 @cute.jit

@@ -135,6 +135,33 @@ def stg_i32_relaxed(addr, a, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ldg_cg_f32x2(addr, *, loc=None, ip=None):
+    """8-byte load bypassing L1 (partials of other CTAs)."""
+    return _asm(
+        [Float32] * 2, [(Int64, addr)], "ld.global.cg.v2.f32 {$0, $1}, [$2];", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def ldg_cg_f32(addr, *, loc=None, ip=None):
+    """4-byte load bypassing L1 (partials of other CTAs)."""
+    return _asm([Float32], [(Int64, addr)], "ld.global.cg.f32 $0, [$1];", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_acquire_i32(addr, *, loc=None, ip=None):
+    """Acquire load (gpu scope) of an arrival counter: what the CTAs that
+    counted released is visible after it."""
+    return _asm([Int32], [(Int64, addr)], "ld.acquire.gpu.global.b32 $0, [$1];", side_effects=True,
+                loc=loc, ip=ip)
+
+
+@dsl_user_op
+def nanosleep(ns, *, loc=None, ip=None):
+    _asm([], [(Int32, ns)], "nanosleep.u32 $0;", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def atomic_add_acq_rel(addr, v, *, loc=None, ip=None):
     """Returns the old value; acq_rel orders this CTA's partial stores before
     the arrival and the last CTA's partial loads after it."""

@@ -93,12 +93,13 @@ class DecodeAttentionDef(KernelDef):
         p = dict(variant.params)
         cfg = dac.DecodeAttentionConfig(
             p["num_splits"], p["num_warps"], p["num_stages"], p["min_pages"], p["cluster"], p["ctas_per_sm"],
-            p["head_dim"], p["gqa"],
+            p["head_dim"], p["gqa"], p["merge_ctas"],
         )
         pad = 0
         if cfg.ctas_per_sm:
             pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
         p["pad_bytes"] = pad
+        p["merge_dims"] = cfg.merge_dims
         return p
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "DecodeAttentionOp":
