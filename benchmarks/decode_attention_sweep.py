@@ -30,22 +30,22 @@ G16_D64 = shape_spec(16, 64, 32).replace(**FULL)
 
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
 # Merging split partials with several CTAs (merge_ctas: the last R to arrive
-# merge a group of heads each). Ablation (results/decode_attention_sweep.md,
-# run 6): the single-CTA merge is 1.5 / 2.75 us of 16/2 B=1 at L = 1k / 32k.
+# merge a group of heads each), now issuing a group's partial loads before
+# staging the m / l table. Ablation (results/decode_attention_sweep.md, run
+# 6): the single-CTA merge is 1.5 / 2.75 us of 16/2 B=1 at L = 1k / 32k.
 OSS8 = FLINT.replace(num_q_heads=8, num_kv_heads=1, head_dim=64, **FULL)
 ROWS = {
+    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, [
+        C(66, 8, 2, 1, False, 1), C(66, 8, 2, 1, False, 1, merge_ctas=2), C(66, 8, 2, 1, False, 1, merge_ctas=4)])
+       for L in (1024, 8192, 32768)},
+    "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [
+        C(8, 8, 2, 2, False, 1), C(8, 8, 2, 2, False, 1, merge_ctas=2), C(8, 8, 2, 2, False, 1, merge_ctas=4)]),
+    "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [
+        C(16, 8, 2, 1, False, 1), C(16, 8, 2, 1, False, 1, merge_ctas=2), C(16, 8, 2, 1, False, 1, merge_ctas=4)]),
+    **{f"8/1 d64 B=1 L={L // 1024}k": (OSS8, 1, L, None, [
+        C(66, 4, 6, 1, False, 2, 64, 8), C(66, 4, 6, 1, False, 2, 64, 8, merge_ctas=4)]) for L in (1024, 32768)},
     **{f"g16 d128 B=1 L={L // 1024}k": (G16, 1, L, None, [
-        C(33, 8, 2, 1, False, 1, 128, 16), C(33, 8, 2, 1, False, 1, 128, 16, merge_ctas=4),
-        C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4), C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=8)])
-       for L in (1024, 8192, 32768)},
-    **{f"g16 d64 B=1 L={L // 1024}k": (G16_D64, 1, L, None, [
-        C(33, 4, 6, 1, False, 2, 64, 16), C(33, 4, 6, 1, False, 2, 64, 16, merge_ctas=4),
-        C(66, 4, 6, 1, False, 2, 64, 16, merge_ctas=4), C(66, 4, 4, 1, False, 2, 64, 16, merge_ctas=8)])
-       for L in (1024, 8192, 32768)},
-    **{f"g16 d128 B=4 L={L // 1024}k": (G16, 4, L, None, [
-        C(8, 8, 2, 1, False, 1, 128, 16), C(8, 8, 2, 1, False, 1, 128, 16, merge_ctas=4),
-        C(16, 8, 2, 1, False, 1, 128, 16, merge_ctas=4)])
-       for L in (8192, 32768)},
+        C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4), C(33, 8, 2, 1, False, 1, 128, 16)]) for L in (1024, 32768)},
 }
 
 
