@@ -30,9 +30,10 @@ G16_D64 = shape_spec(16, 64, 32).replace(**FULL)
 
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
 # Merging split partials with several CTAs (merge_ctas: the last R to arrive
-# merge a group of heads each), now issuing a group's partial loads before
-# staging the m / l table. Ablation (results/decode_attention_sweep.md, run
-# 6): the single-CTA merge is 1.5 / 2.75 us of 16/2 B=1 at L = 1k / 32k.
+# merge a group of heads each). Ablation (results/decode_attention_sweep.md,
+# run 6): the single-CTA merge is 1.5 / 2.75 us of 16/2 B=1 at L = 1k / 32k.
+# Run 8 timed these rows with a merger issuing its partial loads before
+# staging the m / l table (4d02328, reverted: not validated on the GPU).
 OSS8 = FLINT.replace(num_q_heads=8, num_kv_heads=1, head_dim=64, **FULL)
 ROWS = {
     **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, [
