@@ -23,7 +23,9 @@ Emulated semantics:
   of parity P completed.
 * Grid: CTAs of a cluster run concurrently (cluster barriers are
   arrive / wait generations); other CTAs run one after another, a valid
-  schedule for the last-arriving-CTA merge. PDL instructions are no-ops.
+  schedule for the last-arriving-CTA merge. A CTA that polls its pair's
+  arrival counter (several merging CTAs) runs the pair's next pending CTA
+  in the meantime. PDL instructions are no-ops.
 """
 
 from __future__ import annotations
