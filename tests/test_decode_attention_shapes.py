@@ -310,6 +310,17 @@ MERGE_CASES = [
 ]
 
 
+def test_merge_ctas_rejections():
+    """merge_ctas needs global partials and 1 or 2 dims per thread per group."""
+    with pytest.raises(ValueError, match="merge_ctas = 3 needs global split partials"):
+        dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_ctas=3)
+    with pytest.raises(ValueError, match="merge_ctas = 2 needs"):
+        dac.DecodeAttentionConfig(1, 8, 2, 1, False, 1, merge_ctas=2)          # one split: no partials
+    with pytest.raises(ValueError, match="merge_ctas = 8 needs"):
+        dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_ctas=8)          # 128 dims over 256 threads
+    assert dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_ctas=4).merge_dims == 1
+
+
 @pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, lens", MERGE_CASES, ids=lambda x: None)
 def test_emulated_merge_by_several_ctas(monkeypatch, gqa, head_dim, warps, splits, merge, lens):
     """Split partials merged by the last ``merge_ctas`` CTAs to arrive (one
