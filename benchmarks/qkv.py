@@ -4,7 +4,11 @@ Cases:
 * flint (hidden 2048, 32/4 heads of 128, NVFP4) at M = 1 and 8: the whole
   step (both kernels, PDL-chained) and the GEMV kernel alone;
 * hidden 4096, 32/8 heads, bf16 weights: the GEMV kernel against its
-  weight-read floor (goal >= 85%), with a sweep of launch configurations.
+  weight-read floor (goal >= 85%).
+
+``--sweep`` also times alternative launch configurations of both specs
+(``sweep_configs``), each as the GEMV alone and as the whole step
+(results/qkv_sweep.md).
 
 Weights rotate over enough layer copies to exceed the 50 MB L2 (a real model's
 layers stream from HBM), one copy per captured call. Floors: bytes / the read
