@@ -21,7 +21,9 @@ slices through a private ring of ``num_stages`` bulk-copy slots.
 that many slices (the name predates pages of more than 16 tokens).
 ``cluster``: the splits of a (request, kv head) form a thread-block cluster
 and merge through distributed shared memory instead of global fp32 partials
-+ a last-CTA merge. Head tiles: the mma's N = 8 columns are q heads, so GQA 4
++ a last-CTA merge. ``merge_ctas``: with global partials, the last that many
+CTAs to arrive merge (a group of tile_heads / merge_ctas heads each) instead
+of the last one alone. Head tiles: the mma's N = 8 columns are q heads, so GQA 4
 runs one tile with 4 padded heads and GQA 16 two tiles (``tile_heads`` 8 or
 16 heads are computed and merged).
 """
