@@ -56,13 +56,14 @@ class QKVConfig:
         tile; NVFP4 = 2 words + 1 scale byte per row, bf16 = 8 words per row."""
         return tiles * (6 if weight_format == "nvfp4" else 16)
 
-    @staticmethod
-    def early_steps(prefetch: int, tiles: int) -> int:
+    @classmethod
+    def early_steps(cls, prefetch: int, tiles: int) -> int:
         """NVFP4 steps to dequantize before the grid wait: as many as keep the
-        weights within EARLY_DEQUANT_REG_BUDGET (a dequantized step takes 16
-        registers per tile, a raw one 6)."""
+        weights within EARLY_DEQUANT_REG_BUDGET (a dequantized step holds bf16
+        weights, a raw one NVFP4: ``regs_per_step`` of each)."""
+        raw, deq = cls.regs_per_step("nvfp4", tiles), cls.regs_per_step("bf16", tiles)
         e = 0
-        while e < prefetch and (prefetch - e - 1) * 6 * tiles + (e + 1) * 16 * tiles <= EARLY_DEQUANT_REG_BUDGET:
+        while e < prefetch and (prefetch - e - 1) * raw + (e + 1) * deq <= EARLY_DEQUANT_REG_BUDGET:
             e += 1
         return e
 
