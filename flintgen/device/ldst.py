@@ -1,6 +1,6 @@
 """Loads and stores the QKV kernels need beyond ``ptx.py``: predicated and
 sub-16-byte global accesses, 64-bit integers, shared-memory vectors and the
-16-byte DSMEM store.
+16-byte asynchronous DSMEM store.
 
 Provenance: written for flintgen's fused QKV GEMV. Same conventions as
 ``ptx.py``: global addresses are ``Int64``, shared addresses 32-bit ``Uint32``;
@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from flintgen.device import ptx
-from flintgen.device.ptx import _asm, lds_f32x4  # noqa: F401 (re-exported)
+from flintgen.device.ptx import _asm, _ldg_or_zero, lds_f32x4  # noqa: F401 (re-exported)
 
 
 # ---------------------------------------------------------------- global
@@ -25,35 +25,19 @@ from flintgen.device.ptx import _asm, lds_f32x4  # noqa: F401 (re-exported)
 @dsl_user_op
 def ldg_weight_u32x2(addr, pred, *, loc=None, ip=None):
     """8 bytes of weights; zeros where ``pred`` (Int32) is 0 (no access then)."""
-    return _asm(
-        [Uint32] * 2, [(Int64, addr), (Int32, pred)],
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;\n"
-        "@p ld.global.L1::no_allocate.v2.u32 {$0, $1}, [$2]; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+    return _ldg_or_zero(Uint32, 2, "ld.global.L1::no_allocate.v2.u32", addr, pred, loc, ip)
 
 
 @dsl_user_op
 def ldg_weight_u32x4(addr, pred, *, loc=None, ip=None):
     """16 bytes of weights; zeros where ``pred`` is 0."""
-    return _asm(
-        [Uint32] * 4, [(Int64, addr), (Int32, pred)],
-        "{ .reg .pred p; setp.ne.s32 p, $5, 0;\n"
-        "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
-        "@p ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4]; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+    return _ldg_or_zero(Uint32, 4, "ld.global.L1::no_allocate.v4.u32", addr, pred, loc, ip)
 
 
 @dsl_user_op
 def ldg_weight_u8(addr, pred, *, loc=None, ip=None):
     """One byte (a scale), zero-extended; 0 where ``pred`` is 0."""
-    return _asm(
-        [Uint32], [(Int64, addr), (Int32, pred)],
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
-        "@p ld.global.u8 $0, [$1]; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+    return _ldg_or_zero(Uint32, 1, "ld.global.u8", addr, pred, loc, ip)
 
 
 @dsl_user_op
@@ -81,33 +65,17 @@ def ldg_nc_u32x2(addr, *, loc=None, ip=None):
 
 @dsl_user_op
 def ldg_f32x2_pred(addr, pred, *, loc=None, ip=None):
-    return _asm(
-        [Float32] * 2, [(Int64, addr), (Int32, pred)],
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, 0;\n"
-        "@p ld.global.v2.f32 {$0, $1}, [$2]; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+    return _ldg_or_zero(Float32, 2, "ld.global.v2.f32", addr, pred, loc, ip)
 
 
 @dsl_user_op
 def ldg_f32x4_pred(addr, pred, *, loc=None, ip=None):
-    return _asm(
-        [Float32] * 4, [(Int64, addr), (Int32, pred)],
-        "{ .reg .pred p; setp.ne.s32 p, $5, 0;\n"
-        "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
-        "@p ld.global.v4.f32 {$0, $1, $2, $3}, [$4]; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+    return _ldg_or_zero(Float32, 4, "ld.global.v4.f32", addr, pred, loc, ip)
 
 
 @dsl_user_op
 def ldg_f32_pred(addr, pred, *, loc=None, ip=None):
-    return _asm(
-        [Float32], [(Int64, addr), (Int32, pred)],
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0;\n"
-        "@p ld.global.f32 $0, [$1]; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+    return _ldg_or_zero(Float32, 1, "ld.global.f32", addr, pred, loc, ip)
 
 
 # ---------------------------------------------------------------- bulk copy (TMA)

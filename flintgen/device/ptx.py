@@ -75,15 +75,23 @@ def ldg_cg_f32x4(addr, *, loc=None, ip=None):
     )  # fmt: skip
 
 
+def _ldg_or_zero(ty, n: int, op: str, addr, pred, loc, ip):
+    """``n`` 32-bit values of ``ty`` loaded by ``op`` (e.g. ``ld.global.v4.f32``),
+    zeros where ``pred`` (Int32) is 0, and then no access at all."""
+    dst = "{" + ", ".join(f"${i}" for i in range(n)) + "}" if n > 1 else "$0"
+    zeros = " ".join(f"mov.b32 ${i}, 0;" for i in range(n))
+    return _asm(
+        [ty] * n, [(Int64, addr), (Int32, pred)],
+        f"{{ .reg .pred p; setp.ne.s32 p, ${n + 1}, 0; {zeros}\n@p {op} {dst}, [${n}]; }}",
+        side_effects=True, loc=loc, ip=ip,
+    )
+
+
 @dsl_user_op
 def ldg_u32_pred(addr, pred, *, loc=None, ip=None):
     """4-byte global load returning 0 where ``pred`` (Int32) is 0: never touches
     the address then, so a block-table row may be read past its valid length."""
-    return _asm(
-        [Uint32], [(Int64, addr), (Int32, pred)],
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; @p ld.global.u32 $0, [$1]; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+    return _ldg_or_zero(Uint32, 1, "ld.global.u32", addr, pred, loc, ip)
 
 
 @dsl_user_op
