@@ -4,20 +4,10 @@ addresses are Int64, shared addresses Uint32)."""
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from flintgen.device.ptx import _asm, lds_f32x4  # noqa: F401 (re-exported)
-
-
-@dsl_user_op
-def stg_b16(addr, w, *, loc=None, ip=None):
-    """Store the low 16 bits of ``w`` (one bf16) to global ``addr``."""
-    _asm(
-        [], [(Int64, addr), (Uint32, w)],
-        "{ .reg .b16 h; cvt.u16.u32 h, $1; st.global.b16 [$0], h; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
+from flintgen.device.ptx import _asm, lds_f32x4, stg_b16  # noqa: F401 (re-exported)
 
 
 @dsl_user_op

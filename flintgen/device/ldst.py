@@ -159,16 +159,6 @@ def ldg_nc_u16(addr, *, loc=None, ip=None):
     return _asm([Uint32], [(Int64, addr)], "ld.global.nc.u16 $0, [$1];", loc=loc, ip=ip)
 
 
-@dsl_user_op
-def stg_u16(addr, v, *, loc=None, ip=None):
-    """Store bits 0-15 of ``v``."""
-    _asm(
-        [], [(Int64, addr), (Uint32, v)],
-        "{ .reg .b16 h; cvt.u16.u32 h, $1; st.global.u16 [$0], h; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
-
-
 # ---------------------------------------------------------------- E-wide bf16 / fp32 runs
 # A lane of the per-head epilogue owns E = head_dim / 64 consecutive elements
 # (1, 2 or 4): these pick the one access that moves them. Trace-time dispatch.
@@ -219,7 +209,7 @@ def pack_bf16_run(vals):
 def stg_words_run(addr, words, e: int):
     """Store the words of ``e`` consecutive bf16 to global ``addr``."""
     if e == 1:
-        stg_u16(addr, words[0])
+        ptx.stg_b16(addr, words[0])
     elif e == 2:
         ptx.stg_u32(addr, words[0])
     else:

@@ -119,6 +119,16 @@ def stg_u32(addr, a, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def stg_b16(addr, w, *, loc=None, ip=None):
+    """Store the low 16 bits of ``w`` (one bf16) to global ``addr``."""
+    _asm(
+        [], [(Int64, addr), (Uint32, w)],
+        "{ .reg .b16 h; cvt.u16.u32 h, $1; st.global.b16 [$0], h; }",
+        side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def stg_f32x4(addr, a, b, c, d, *, loc=None, ip=None):
     _asm(
         [], [(Int64, addr), (Float32, a), (Float32, b), (Float32, c), (Float32, d)],
