@@ -325,47 +325,55 @@ def depart(counter, last, tid):
 
 
 @cute.jit
-def merge_group(po_base, num_splits, tid, ml_smem, sinks, head0, out_b, so1, grp,
-                NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr,
-                TH: cutlass.Constexpr, G: cutlass.Constexpr, HG: cutlass.Constexpr, EM: cutlass.Constexpr):
-    """Merge heads ``grp * HG .. grp * HG + HG - 1`` of the pair (weights staged
-    by ``stage_weights``) and write the real ones: thread ``tid`` owns ``EM``
-    consecutive dims (``HG * D == 32 * NW * EM``), loads of one warp are one
-    coalesced row segment per split."""
+def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks, head0, out_b, so1, rank, r_eff,
+                 NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr, TH: cutlass.Constexpr,
+                 G: cutlass.Constexpr, MC: cutlass.Constexpr, EM: cutlass.Constexpr):
+    """Merger ``rank`` of ``r_eff``: merge head groups ``rank, rank + r_eff, ..``
+    (``MC`` groups of ``TH / MC`` heads) and write their real heads. Thread
+    ``tid`` owns ``EM`` consecutive dims of a group (``TH / MC * D == 32 * NW
+    * EM``); a warp's loads are one coalesced row segment per split. The
+    first group's loads (every split while ``NSPLIT * EM <= 128``) are issued
+    before the m / l table is staged, so both share one L2 round trip."""
+    HG = TH // MC
     MLR = 2 * TH
     ROW = TH * D * 4
-    RCH = min(NSPLIT, 64 // EM)      # splits per round: 64 floats in flight per thread
-    h = grp * HG + (tid * EM) // D
-    d0 = (tid * EM) % D
-    o_base = po_base + Int64((h * D + d0) * 4)
-    o = [Float32(0.0)] * EM
-    for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
-        if r0 < num_splits:
-            vs = [Float32(0.0)] * (RCH * EM)
-            for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
-                if r0 + r < num_splits:
-                    if cutlass.const_expr(EM == 2):
-                        v = ptx.ldg_cg_f32x2(o_base + Int64(r0 + r) * ROW)
-                        vs[2 * r] = v[0]
-                        vs[2 * r + 1] = v[1]
-                    else:
-                        vs[r] = ptx.ldg_cg_f32(o_base + Int64(r0 + r) * ROW)
-            for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
-                row = cutlass.min(r0 + r, Int32(NSPLIT - 1)) * MLR
-                wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + h) * 4), Float32(0.0),
-                               Int32(r0 + r < num_splits))  # fmt: skip
-                for e in cutlass.range_constexpr(EM):
-                    o[e] = o[e] + wgt * vs[r * EM + e]
-    m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + h) * 4)
-    l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4)
-    sink_s = Float32(sinks[head0 + cutlass.min(h, Int32(G - 1))]) * LOG2E
-    inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
-    dst = out_b + Int64(head0 + h) * so1 * 2 + Int64(d0 * 2)
-    if h < G:
-        if cutlass.const_expr(EM == 2):
-            ptx.stg_u32(dst, ptx.bf16x2(o[0] * inv, o[1] * inv))
-        else:
-            stg_b16(dst, ptx.bf16x2(o[0] * inv, o[0] * inv))
+    RCH = min(NSPLIT, 128 // EM)      # splits per round: 128 floats in flight per thread
+    for k in cutlass.range_constexpr(MC):
+        grp = rank + k * r_eff
+        if grp < MC:
+            h = grp * HG + (tid * EM) // D
+            d0 = (tid * EM) % D
+            o_base = po_base + Int64((h * D + d0) * 4)
+            o = [Float32(0.0)] * EM
+            for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
+                if r0 < num_splits:
+                    vs = [Float32(0.0)] * (RCH * EM)
+                    for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
+                        if r0 + r < num_splits:
+                            if cutlass.const_expr(EM == 2):
+                                v = ptx.ldg_cg_f32x2(o_base + Int64(r0 + r) * ROW)
+                                vs[2 * r] = v[0]
+                                vs[2 * r + 1] = v[1]
+                            else:
+                                vs[r] = ptx.ldg_cg_f32(o_base + Int64(r0 + r) * ROW)
+                    if cutlass.const_expr(k == 0 and r0 == 0):
+                        stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, TH)
+                    for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
+                        row = cutlass.min(r0 + r, Int32(NSPLIT - 1)) * MLR
+                        wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + h) * 4), Float32(0.0),
+                                       Int32(r0 + r < num_splits))  # fmt: skip
+                        for e in cutlass.range_constexpr(EM):
+                            o[e] = o[e] + wgt * vs[r * EM + e]
+            m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + h) * 4)
+            l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4)
+            sink_s = Float32(sinks[head0 + cutlass.min(h, Int32(G - 1))]) * LOG2E
+            inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
+            dst = out_b + Int64(head0 + h) * so1 * 2 + Int64(d0 * 2)
+            if h < G:
+                if cutlass.const_expr(EM == 2):
+                    ptx.stg_u32(dst, ptx.bf16x2(o[0] * inv, o[1] * inv))
+                else:
+                    stg_b16(dst, ptx.bf16x2(o[0] * inv, o[0] * inv))
 
 
 @cute.jit
