@@ -29,24 +29,24 @@ G16 = shape_spec(16, 128, 64).replace(**FULL)     # 32 q / 2 kv per rank: two he
 G16_D64 = shape_spec(16, 64, 32).replace(**FULL)
 
 # row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
-# Merging split partials with several CTAs (merge_ctas: the last R to arrive
-# merge a group of heads each). Ablation (results/decode_attention_sweep.md,
-# run 6): the single-CTA merge is 1.5 / 2.75 us of 16/2 B=1 at L = 1k / 32k.
-# Run 8 timed these rows with a merger issuing its partial loads before
-# staging the m / l table (4d02328, reverted: not validated on the GPU).
-OSS8 = FLINT.replace(num_q_heads=8, num_kv_heads=1, head_dim=64, **FULL)
+# Several CTAs merge only from a number of active splits on (merge_from, a
+# runtime threshold: active splits grow with seq_len at a fixed launch shape).
+# Run 8 (results/decode_attention_sweep.md): with its partial loads issued
+# before the m / l staging, 4 mergers beat the last CTA alone at 64-66 active
+# splits (16/2 B=1 L=8k / 32k) and lose at 8 (L=1k) and 16 (64/8 B=1).
+# Lengths 1k..32k give 8, 16, 32, 48, 64, 66 active splits of 66.
+ALONE, SEVERAL, SWITCH = (C(66, 8, 2, 1, False, 1), C(66, 8, 2, 1, False, 1, merge_ctas=4),
+                          C(66, 8, 2, 1, False, 1, merge_ctas=4, merge_from=24))
 ROWS = {
-    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, [
-        C(66, 8, 2, 1, False, 1), C(66, 8, 2, 1, False, 1, merge_ctas=2), C(66, 8, 2, 1, False, 1, merge_ctas=4)])
-       for L in (1024, 8192, 32768)},
-    "16/2 B=8 L=8k": (TP2.replace(**FULL), 8, 8192, None, [
-        C(8, 8, 2, 2, False, 1), C(8, 8, 2, 2, False, 1, merge_ctas=2), C(8, 8, 2, 2, False, 1, merge_ctas=4)]),
+    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, [ALONE, SEVERAL, SWITCH])
+       for L in (1024, 2048, 4096, 6144, 8192, 32768)},
+    "16/2 B=2 L=32k": (TP2.replace(**FULL), 2, 32768, None, [
+        C(33, 8, 2, 1, False, 1), C(33, 8, 2, 1, False, 1, merge_ctas=4)]),
     "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [
-        C(16, 8, 2, 1, False, 1), C(16, 8, 2, 1, False, 1, merge_ctas=2), C(16, 8, 2, 1, False, 1, merge_ctas=4)]),
-    **{f"8/1 d64 B=1 L={L // 1024}k": (OSS8, 1, L, None, [
-        C(66, 4, 6, 1, False, 2, 64, 8), C(66, 4, 6, 1, False, 2, 64, 8, merge_ctas=4)]) for L in (1024, 32768)},
+        C(16, 8, 2, 1, False, 1), C(16, 8, 2, 1, False, 1, merge_ctas=4)]),
     **{f"g16 d128 B=1 L={L // 1024}k": (G16, 1, L, None, [
-        C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4), C(33, 8, 2, 1, False, 1, 128, 16)]) for L in (1024, 32768)},
+        C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4), C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4, merge_from=24),
+        C(66, 8, 2, 1, False, 1, 128, 16)]) for L in (1024, 4096, 32768)},
 }
 
 

@@ -299,19 +299,24 @@ def test_emulated_kernel(gqa, head_dim, page, sinks, launches):
                         f"{op.config(len(lens), window is not None).as_params()}")
 
 
-# (GQA, head_dim, warps, splits, merge_ctas, seq_lens): the last merge_ctas CTAs
-# to arrive merge a group of heads each; fewer active splits than mergers
-# (R = active), padded heads, two tiles, and a request with one active split.
+# (GQA, head_dim, warps, splits, merge_ctas, merge_from, seq_lens): the last
+# merge_ctas CTAs to arrive merge a group of heads each; fewer active splits
+# than mergers (R = active), padded heads, two tiles, a request with one
+# active split, and requests on both sides of merge_from (below it the last
+# CTA alone merges) in one launch.
 MERGE_CASES = [
-    (8, 128, 8, 8, 4, [16 * 8 * 8 + 5, 16 * 8 * 3]),      # 8 active splits; 3 active (R = 3)
-    (4, 128, 4, 6, 4, [16 * 4 * 6, 40]),                   # padded tile; 1 active split: no merge
-    (16, 64, 4, 5, 4, [16 * 4 * 5 + 1, 16 * 4 * 2]),       # two tiles, head_dim 64; R = 2
-    (8, 64, 4, 4, 2, [16 * 4 * 4]),                        # 2 mergers of 4 heads
+    (8, 128, 8, 8, 4, 0, [16 * 8 * 8 + 5, 16 * 8 * 3]),      # 8 active splits; 3 active (R = 3)
+    (4, 128, 4, 6, 4, 0, [16 * 4 * 6, 40]),                   # padded tile; 1 active split: no merge
+    (16, 64, 4, 5, 4, 0, [16 * 4 * 5 + 1, 16 * 4 * 2]),       # two tiles, head_dim 64; R = 2
+    (8, 64, 4, 4, 2, 0, [16 * 4 * 4]),                        # 2 mergers of 4 heads
+    (8, 128, 8, 8, 4, 5, [16 * 8 * 8, 16 * 8 * 4 + 9]),       # 8 active: 4 merge; 4 active: the last alone
+    (16, 128, 8, 8, 4, 6, [16 * 8 * 5 + 3, 16 * 8 * 7]),      # two tiles: alone (5), then 4 mergers (7)
 ]
 
 
 def test_merge_ctas_rejections():
-    """merge_ctas needs global partials and 1 or 2 dims per thread per group."""
+    """merge_ctas needs global partials and 1 or 2 dims per thread per group;
+    merge_from (when several CTAs take over) needs merge_ctas > 1."""
     with pytest.raises(ValueError, match="merge_ctas = 3 needs global split partials"):
         dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_ctas=3)
     with pytest.raises(ValueError, match="merge_ctas = 2 needs"):
@@ -319,20 +324,26 @@ def test_merge_ctas_rejections():
     with pytest.raises(ValueError, match="merge_ctas = 8 needs"):
         dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_ctas=8)          # 128 dims over 256 threads
     assert dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_ctas=4).merge_dims == 1
+    with pytest.raises(ValueError, match="merge_from = 16 needs merge_ctas > 1"):
+        dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_from=16)             # nobody to switch to
+    with pytest.raises(ValueError, match="merge_from = -1 needs"):
+        dac.DecodeAttentionConfig(8, 8, 2, 1, False, 1, merge_ctas=4, merge_from=-1)
 
 
-@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, lens", MERGE_CASES, ids=lambda x: None)
-def test_emulated_merge_by_several_ctas(monkeypatch, gqa, head_dim, warps, splits, merge, lens):
+@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, merge_from, lens", MERGE_CASES, ids=lambda x: None)
+def test_emulated_merge_by_several_ctas(monkeypatch, gqa, head_dim, warps, splits, merge, merge_from, lens):
     """Split partials merged by the last ``merge_ctas`` CTAs to arrive (one
     group of heads each, all but the last waiting on the counter) match the
     reference, and the counters are reset (checked by the emulator)."""
-    cfg = dac.DecodeAttentionConfig(splits, warps, 2, 1, False, 0, head_dim, gqa, merge_ctas=merge)
+    cfg = dac.DecodeAttentionConfig(splits, warps, 2, 1, False, 0, head_dim, gqa, merge_ctas=merge,
+                                    merge_from=merge_from)
     monkeypatch.setattr(dac, "launch_config", lambda **kw: cfg)
-    spec = shape_spec(gqa, head_dim, 16, kv=2, max_batch=len(lens)).replace(name=f"merge{merge}-g{gqa}")
+    spec = shape_spec(gqa, head_dim, 16, kv=2, max_batch=len(lens)).replace(
+        name=f"merge{merge}-from{merge_from}-g{gqa}-d{head_dim}")
     case = Case(spec, lens, None, seed=sum(lens), device="cpu")
     out = case.poisoned_out()
     EmulatedOp(spec)(*case.args(out))
-    case.check(out, f"emulated merge_ctas={merge} {cfg.as_params()} lens={lens}")
+    case.check(out, f"emulated merge_ctas={merge} merge_from={merge_from} {cfg.as_params()} lens={lens}")
 
 
 def test_emulated_block_id_window_of_long_pages():
@@ -461,8 +472,8 @@ def test_cuda_graph_replay(precompiled, which):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, lens", MERGE_CASES, ids=lambda x: None)
-def test_merge_by_several_ctas_gpu(monkeypatch, gqa, head_dim, warps, splits, merge, lens):
+@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, merge_from, lens", MERGE_CASES, ids=lambda x: None)
+def test_merge_by_several_ctas_gpu(monkeypatch, gqa, head_dim, warps, splits, merge, merge_from, lens):
     """The H200 twin of test_emulated_merge_by_several_ctas: the last
     ``merge_ctas`` CTAs to arrive merge (all but the last polling the
     counter); eager launches, then a graph replayed 40 times with lengths and
@@ -470,10 +481,11 @@ def test_merge_by_several_ctas_gpu(monkeypatch, gqa, head_dim, warps, splits, me
     merging CTAs vary); counters end at 0."""
     import flintgen
 
-    cfg = dac.DecodeAttentionConfig(splits, warps, 2, 1, False, 0, head_dim, gqa, merge_ctas=merge)
+    cfg = dac.DecodeAttentionConfig(splits, warps, 2, 1, False, 0, head_dim, gqa, merge_ctas=merge,
+                                    merge_from=merge_from)
     monkeypatch.setattr(dac, "launch_config", lambda **kw: cfg)
     spec = shape_spec(gqa, head_dim, 16, kv=2, max_batch=len(lens)).replace(
-        name=f"gpu-merge{merge}-g{gqa}-d{head_dim}-s{splits}-w{warps}")
+        name=f"gpu-merge{merge}-from{merge_from}-g{gqa}-d{head_dim}-s{splits}-w{warps}")
     op = flintgen.get_kernel(spec, "decode_attention")
     width = -(-max(lens) // 16)
     case = Case(spec, [width * 16] * len(lens), None, seed=sum(lens), extra_cols=0)   # no NaN page tails

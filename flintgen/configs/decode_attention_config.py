@@ -23,7 +23,8 @@ that many slices (the name predates pages of more than 16 tokens).
 and merge through distributed shared memory instead of global fp32 partials
 + a last-CTA merge. ``merge_ctas``: with global partials, the last that many
 CTAs to arrive merge (a group of tile_heads / merge_ctas heads each) instead
-of the last one alone. Head tiles: the mma's N = 8 columns are q heads, so GQA 4
+of the last one alone; ``merge_from``: only once that many splits are active
+(a runtime count that grows with seq_len; below it the last CTA alone). Head tiles: the mma's N = 8 columns are q heads, so GQA 4
 runs one tile with 4 padded heads and GQA 16 two tiles (``tile_heads`` 8 or
 16 heads are computed and merged).
 """
@@ -49,6 +50,9 @@ WARP_SCRATCH_FLOATS = 8 * 128 + 16
 # (8-9 slices). Longer windows use the full-attention rule.
 SHORT_WINDOW_MAX_PAGES = 32
 MAX_CLUSTER = 8                        # portable thread-block cluster size
+# Active splits from which 4 CTAs merge a pair's 8-head partials (fewer: the
+# last CTA alone); measured crossover 32..48 (launch_config).
+MERGE_FROM_ACTIVE = 40
 
 
 def slice_bytes(head_dim: int) -> int:
@@ -79,6 +83,11 @@ class DecodeAttentionConfig:
     # CTAs that merge a pair's split partials (the last ones to arrive; each
     # takes tile_heads / merge_ctas heads). 1: the last CTA alone.
     merge_ctas: int = 1
+    # With merge_ctas > 1: several CTAs merge only when at least this many
+    # splits are active (a runtime count: it grows with seq_len); below it the
+    # last CTA alone merges (the few partials of a short context are a
+    # latency chain, not one SM's bandwidth). 0: always.
+    merge_from: int = 0
 
     def __post_init__(self) -> None:
         if self.num_warps not in (4, 8):
@@ -98,6 +107,9 @@ class DecodeAttentionConfig:
         if self.scratch_bytes > self.ring_bytes:
             raise ValueError(f"{self.num_splits} splits need {self.scratch_bytes} B of epilogue "
                              f"scratch, more than the {self.ring_bytes} B ring it reuses")
+        if self.merge_from < 0 or (self.merge_from and self.merge_ctas == 1):
+            raise ValueError(f"merge_from = {self.merge_from} needs merge_ctas > 1 and must be >= 0 "
+                             f"(0: several CTAs always merge), got {self}")
         if self.merge_ctas != 1:
             th, threads = self.tile_heads, 32 * self.num_warps
             m = self.merge_ctas
@@ -157,7 +169,8 @@ class DecodeAttentionConfig:
     def as_params(self) -> dict:
         return {"num_splits": self.num_splits, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "min_pages": self.min_pages,
-                "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm, "merge_ctas": self.merge_ctas}
+                "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm, "merge_ctas": self.merge_ctas,
+                "merge_from": self.merge_from}
 
 
 def check_supported(*, head_dim: int, gqa: int, page_size: int) -> None:
@@ -293,12 +306,28 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # change slowed Flint's 8 heads (4 KB partials: 16/2 B=1 L=1k / 32k 6.52 /
     # 11.56 vs 5.43 / 11.42, B=8 L=8k 21.25 vs 20.25), where the merge is
     # latency-bound, not bandwidth-bound.
+    #
+    # One tile, revised again (sweep run 10, 2026-11-29 session 4): with the
+    # mergers' partial loads issued before the m / l staging (run 8), several
+    # CTAs win once many splits are active, and the active count grows with
+    # seq_len at a fixed launch shape, so the kernel switches at run time
+    # (merge_from). 16/2 B=1, 66 splits, active 8 / 16 / 32 / 48 / 64 / 66 at
+    # L = 1k / 2k / 4k / 6k / 8k / 32k: the last CTA alone 5.42 / 5.91 / 6.21 /
+    # 7.17 / 7.29 / 11.45 us, 4 mergers always 6.23 / 6.48 / 6.67 / 6.65 /
+    # 6.82 / 10.68, switching at 24 active 5.27 / 5.58 / 6.60 / 6.58 / 6.73 /
+    # 10.64: the crossover lies between 32 and 48 active splits, hence
+    # MERGE_FROM_ACTIVE = 40. Pairs with fewer splits than that keep the last
+    # CTA alone (B=2, 33 splits, L=32k: 21.20 alone vs 21.56 with 4; 64/8 B=1,
+    # 16 splits: 35.82 vs 36.48). One pair (132 splits) is extrapolated.
     two_tiles = gqa > 8
     if num_bh <= 8 and two_tiles:
         return DecodeAttentionConfig(max(1, num_sms // num_bh), 8, 2, 1, False, 1, head_dim, gqa,
                                      merge_ctas=4 if num_sms // num_bh >= 2 else 1)
     if num_bh <= 8:
         splits = max(1, num_sms // num_bh)
+        if splits > MERGE_FROM_ACTIVE:
+            return DecodeAttentionConfig(splits, 8, 2, 1, False, 1, head_dim, gqa, merge_ctas=4,
+                                         merge_from=MERGE_FROM_ACTIVE)
         warps, stages, min_pages = 8, 2, 1
     elif num_bh <= 16 or (two_tiles and num_sms // num_bh >= 2):
         splits = max(1, num_sms // num_bh)

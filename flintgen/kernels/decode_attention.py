@@ -93,7 +93,7 @@ class DecodeAttentionDef(KernelDef):
         p = dict(variant.params)
         cfg = dac.DecodeAttentionConfig(
             p["num_splits"], p["num_warps"], p["num_stages"], p["min_pages"], p["cluster"], p["ctas_per_sm"],
-            p["head_dim"], p["gqa"], p["merge_ctas"],
+            p["head_dim"], p["gqa"], p["merge_ctas"], p["merge_from"],
         )
         pad = 0
         if cfg.ctas_per_sm:
