@@ -93,13 +93,28 @@ def test_gqa_16_rule():
         c = dac.launch_config(batch=batch, num_kv_heads=kv, sliding=sliding, window=128 if sliding else None,
                               head_dim=d, gqa=gqa, page_size=64, num_sms=132)
         return c.num_splits, c.num_warps, c.num_stages, c.min_pages, c.cluster, c.merge_ctas
-    assert cfg(1, 2, 128, 16) == (66, 8, 2, 1, False, 4) and cfg(1, 2, 128, 8) == (66, 8, 2, 1, False, 1)
+    assert cfg(1, 2, 128, 16) == (66, 8, 2, 1, False, 4) and cfg(1, 2, 128, 8) == (66, 8, 2, 1, False, 4)
     assert cfg(4, 2, 128, 16) == (16, 8, 2, 1, False, 4) and cfg(5, 2, 128, 16)[-1] == 1
     assert cfg(32, 2, 128, 16) == (2, 8, 2, 2, False, 1) and cfg(32, 2, 128, 8) == (4, 4, 3, 2, False, 1)
     assert cfg(64, 2, 128, 16) == cfg(64, 2, 128, 8) == (2, 4, 3, 2, False, 1)    # 1 split per SM: 4-warp rule
     assert cfg(1, 2, 64, 16) == (33, 4, 6, 1, False, 1) and cfg(1, 2, 64, 8) == (132, 4, 4, 1, False, 1)
     assert cfg(16, 2, 64, 16) == cfg(16, 2, 64, 8)
     assert cfg(1, 2, 128, 16, True) == cfg(1, 2, 128, 8, True)
+
+
+def test_merge_from_rule():
+    """One head tile (GQA 4 / 8), head_dim 128, full attention: pairs with
+    more than MERGE_FROM_ACTIVE splits get 4 merging CTAs from 40 active
+    splits on (the last CTA alone below); fewer splits, GQA 16 (always 4
+    mergers), head_dim 64 and windows do not switch (sweep run 10)."""
+    def cfg(batch, kv, d=128, gqa=8, sliding=False):
+        c = dac.launch_config(batch=batch, num_kv_heads=kv, sliding=sliding, window=128 if sliding else None,
+                              head_dim=d, gqa=gqa, page_size=16, num_sms=132)
+        return c.num_splits, c.merge_ctas, c.merge_from
+    assert dac.MERGE_FROM_ACTIVE == 40
+    assert cfg(1, 2) == cfg(1, 2, gqa=4) == (66, 4, 40) and cfg(1, 1) == (132, 4, 40) and cfg(1, 3) == (44, 4, 40)
+    assert cfg(2, 2) == (33, 1, 0) and cfg(1, 4) == (33, 1, 0) and cfg(8, 1) == (16, 1, 0)
+    assert cfg(1, 2, gqa=16) == (66, 4, 0) and cfg(1, 2, d=64)[1:] == (1, 0) and cfg(1, 2, sliding=True)[1:] == (1, 0)
 
 
 def _cfg64(batch, kv, sliding, gqa=8):
