@@ -325,7 +325,7 @@ def depart(counter, last, tid):
 
 
 @cute.jit
-def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sink_tab, head0, out_b, so1, rank, r_eff,
+def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks, head0, out_b, so1, rank, r_eff,
                  NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr, TH: cutlass.Constexpr,
                  G: cutlass.Constexpr, MC: cutlass.Constexpr, EM: cutlass.Constexpr):
     """Merger ``rank`` of ``r_eff``: merge head groups ``rank, rank + r_eff, ..``
@@ -333,8 +333,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sink_t
     ``tid`` owns ``EM`` consecutive dims of a group (``TH / MC * D == 32 * NW
     * EM``); a warp's loads are one coalesced row segment per split. The
     first group's loads (every split while ``NSPLIT * EM <= 128``) are issued
-    before the m / l table is staged, so both share one L2 round trip.
-    ``sink_tab``: shared, sink * log2(e) per head of the tile."""
+    before the m / l table is staged, so both share one L2 round trip."""
     HG = TH // MC
     MLR = 2 * TH
     ROW = TH * D * 4
@@ -367,7 +366,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sink_t
                             o[e] = o[e] + wgt * vs[r * EM + e]
             m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + h) * 4)
             l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4)
-            sink_s = ptx.lds_f32(sink_tab + h * 4)
+            sink_s = Float32(sinks[head0 + cutlass.min(h, Int32(G - 1))]) * LOG2E
             inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
             dst = out_b + Int64(head0 + h) * so1 * 2 + Int64(d0 * 2)
             if h < G:
@@ -378,7 +377,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sink_t
 
 
 @cute.jit
-def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sink_tab, head0, scale_log2, out_b, so1,
+def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale_log2, out_b, so1,
                    NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
                    D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
     """Merge the splits of a (request, kv head) inside its cluster: every CTA
@@ -389,8 +388,7 @@ def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sink_tab, head0, sc
     ``cbuf`` (shared, per rank): ``[split][head][DPR]`` O, then m
     ``[split][head]``, then l ``[split][head]`` (fp32, TH heads). The caller
     has done ``cluster_arrive_relaxed`` early; the wait here makes sure every
-    peer is running before its shared memory is written. ``sink_tab``:
-    shared, sink * log2(e) per head of the tile."""
+    peer is running before its shared memory is written."""
     DPR = D // NSPLIT
     M_OFF = NSPLIT * TH * DPR
     L_OFF = M_OFF + TH * NSPLIT
@@ -423,17 +421,16 @@ def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sink_tab, head0, sc
             oo[e] = oo[e] + wgt * ptx.lds_f32(cbuf + ((r * TH + h) * DPR + dl + e) * 4)
     if cutlass.const_expr(TH > G):
         if h < G:
-            _cluster_store(oo, m_all_s, l_all, ptx.lds_f32(sink_tab + h * 4), head0 + h, out_b, so1, rank, dl,
-                           DPR, OPT)
+            _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
     else:
-        _cluster_store(oo, m_all_s, l_all, ptx.lds_f32(sink_tab + h * 4), head0 + h, out_b, so1, rank, dl,
-                       DPR, OPT)
+        _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
 
 
 @cute.jit
-def _cluster_store(oo, m_all_s, l_all, sink_s, head, out_b, so1, rank, dl, DPR: cutlass.Constexpr,
+def _cluster_store(oo, m_all_s, l_all, sinks, head, out_b, so1, rank, dl, DPR: cutlass.Constexpr,
                    OPT: cutlass.Constexpr):
     """Normalize (sink included) and write OPT dims from ``rank * DPR + dl`` of q head ``head``."""
+    sink_s = Float32(sinks[head]) * LOG2E
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
     dst_g = out_b + (Int64(head) * so1 + rank * DPR + dl) * 2
     for e in cutlass.range_constexpr(0, OPT, 2):

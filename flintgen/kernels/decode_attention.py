@@ -8,11 +8,11 @@ launch heuristics: flintgen/configs/decode_attention_config.py.
 
 Contracts the op relies on (documented on ``DecodeAttentionOp``):
 
-* seq_lens, block_tables and sinks are read by the kernel *before* its
+* seq_lens and block_tables are read by the kernel *before* its
   grid-dependency wait (as are the cache pages other than the one holding
   the current token), so no kernel of the PDL chain leading into the launch
-  may write them: seq_lens and block tables come from host-to-device copies
-  ahead of the decode step, the sinks are model parameters. q, the current token's page, out and the workspace may be written by
+  may write them: they come from host-to-device copies ahead of the decode
+  step. q, the current token's page, out and the workspace may be written by
   the kernel right before.
 * The workspace (fp32 split partials + self-resetting arrival counters) is
   allocated once per device, zeroed once, and never replaced, so CUDA graphs
@@ -142,10 +142,9 @@ class DecodeAttentionOp:
     * ``scale``: softmax scale (finite, > 0).
     * ``out``: [B, Hq, D] bf16, same layout rules as ``q``.
 
-    seq_lens, block_tables and sinks are read before the kernel's
-    grid-dependency wait: no kernel of the PDL chain ahead of the launch may
-    write them (host-to-device copies, as a serving loop does; sinks are
-    parameters). B must be <= spec.max_batch.
+    seq_lens and block_tables are read before the kernel's grid-dependency
+    wait: no kernel of the PDL chain ahead of the launch may write them (use
+    host-to-device copies, as a serving loop does). B must be <= spec.max_batch.
     CUDA graphs: call ``warmup`` first (loads every variant, allocates the
     workspace); the launch shape depends only on B.
     """
