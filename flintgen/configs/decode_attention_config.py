@@ -24,9 +24,10 @@ and merge through distributed shared memory instead of global fp32 partials
 + a last-CTA merge. ``merge_ctas``: with global partials, the last that many
 CTAs to arrive merge (a group of tile_heads / merge_ctas heads each) instead
 of the last one alone; ``merge_from``: only once that many splits are active
-(a runtime count that grows with seq_len; below it the last CTA alone). Head tiles: the mma's N = 8 columns are q heads, so GQA 4
-runs one tile with 4 padded heads and GQA 16 two tiles (``tile_heads`` 8 or
-16 heads are computed and merged).
+(a runtime count that grows with seq_len; below it the last CTA alone).
+Head tiles: the mma's N = 8 columns are q heads, so GQA 4 runs one tile with
+4 padded heads and GQA 16 two tiles (``tile_heads`` 8 or 16 heads are
+computed and merged).
 """
 
 from __future__ import annotations
