@@ -11,6 +11,9 @@
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
 # first) and FLINTGEN_CACHE_DIR pointing at a carried cache; FLINTGEN_COMMIT names
 # the commit in result headers (the GPU machine's copy has no git metadata).
+# Benchmarks write their <name>.md/.json into $OUT (harness.write_results), which
+# the device tool brings back: do not copy benchmarks/results/ into $OUT after
+# them (that overwrites the new tables with the committed ones).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; \
