@@ -185,11 +185,12 @@ def _load_round(vs, o_base, r0: cutlass.Constexpr, num_splits, RCH: cutlass.Cons
 
 @cute.jit
 def _sum_round(o, vs, ml_smem, r0: cutlass.Constexpr, num_splits, eh, MLR: cutlass.Constexpr, TH: cutlass.Constexpr,
-               RCH: cutlass.Constexpr, E: cutlass.Constexpr, NSPLIT: cutlass.Constexpr):
+               RCH: cutlass.Constexpr, E: cutlass.Constexpr):
     """o += weight(split) x partial for the RCH splits from ``r0`` held in
-    ``vs`` (weights from the shared m / l table; 0 past ``num_splits``)."""
+    ``vs`` (weights from the shared m / l table; 0 past ``num_splits``).
+    The splits exist in the table: r0 + RCH <= the static split count."""
     for r in cutlass.range_constexpr(RCH):
-        row = cutlass.min(r0 + r, Int32(NSPLIT - 1)) * MLR
+        row = (r0 + r) * MLR
         wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + eh) * 4), Float32(0.0),
                        Int32(r0 + r < num_splits))  # fmt: skip
         for e in cutlass.range_constexpr(E):
@@ -291,7 +292,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
         if r0 < num_splits:
             if cutlass.const_expr(r0 > 0):
                 _load_round(vs, o_base, r0, num_splits, RCH, E, ROW)
-            _sum_round(o, vs, ml_smem, r0, num_splits, eh, MLR, TH, min(RCH, NSPLIT - r0), E, NSPLIT)
+            _sum_round(o, vs, ml_smem, r0, num_splits, eh, MLR, TH, min(RCH, NSPLIT - r0), E)
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
     store_head(out_row, eh, ed, o, inv, E, G, TH)
 
@@ -359,7 +360,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
                     if cutlass.const_expr(k == 0 and r0 == 0):
                         stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, TH)
                     for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
-                        row = cutlass.min(r0 + r, Int32(NSPLIT - 1)) * MLR
+                        row = (r0 + r) * MLR
                         wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + h) * 4), Float32(0.0),
                                        Int32(r0 + r < num_splits))  # fmt: skip
                         for e in cutlass.range_constexpr(EM):
