@@ -324,19 +324,19 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     if num_bh <= 8 and two_tiles:
         return DecodeAttentionConfig(max(1, num_sms // num_bh), 8, 2, 1, False, 1, head_dim, gqa,
                                      merge_ctas=4 if num_sms // num_bh >= 2 else 1)
+    merge = {}
     if num_bh <= 8:
         splits = max(1, num_sms // num_bh)
-        if splits > MERGE_FROM_ACTIVE:
-            return DecodeAttentionConfig(splits, 8, 2, 1, False, 1, head_dim, gqa, merge_ctas=4,
-                                         merge_from=MERGE_FROM_ACTIVE)
         warps, stages, min_pages = 8, 2, 1
+        if splits > MERGE_FROM_ACTIVE:
+            merge = dict(merge_ctas=4, merge_from=MERGE_FROM_ACTIVE)
     elif num_bh <= 16 or (two_tiles and num_sms // num_bh >= 2):
         splits = max(1, num_sms // num_bh)
         warps, stages, min_pages = 8, 2, 2
     else:
         splits = max(1, 2 * num_sms // num_bh)
         warps, stages, min_pages = 4, 3, 2
-    return DecodeAttentionConfig(splits, warps, stages, min_pages, False, 8 // warps, head_dim, gqa)
+    return DecodeAttentionConfig(splits, warps, stages, min_pages, False, 8 // warps, head_dim, gqa, **merge)
 
 
 def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
