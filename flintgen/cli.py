@@ -1,4 +1,11 @@
-"""The ``flintgen`` command line."""
+"""The ``flintgen`` command line.
+
+Errors: a user error (bad spec field or file, unmapped model type, unsupported
+shape, bad option or environment value) prints one ``flintgen: error:`` line
+naming the value, what is supported and the fix, and exits 2; an internal
+failure (a compile error, a bug) prints one line ending "rerun with --debug"
+and exits 1. Tracebacks only with ``--debug`` or ``FLINTGEN_DEBUG=1``.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,75 @@ import multiprocessing
 import os
 import sys
 import time
+import warnings
 
 import click
 
 from flintgen import cache, toolchain
 from flintgen._version import __version__
 from flintgen.kernels import KERNELS, get_def
+from flintgen.knobs import MAX_NUM_SMS, check_all, knobs
 from flintgen.spec import Spec
+
+MAX_JOBS = 128
+#: Exceptions that mean the user's input is wrong (exit 2); anything else is internal (exit 1).
+USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
+
+
+def one_line(text: object) -> str:
+    """A message as one line: its lines joined with '; '."""
+    return "; ".join(p.strip(" -") for p in str(text).splitlines() if p.strip(" -"))
+
+
+def _debug_requested(args) -> bool:
+    if "--debug" in (sys.argv[1:] if args is None else list(args)):
+        return True
+    try:
+        return knobs.debug
+    except ValueError:
+        return False  # reported when the command reads it
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    click.echo(f"flintgen: warning: {one_line(message)}", err=True)
+
+
+class _Main(click.Group):
+    """The group whose ``main`` turns exceptions into the one-line contract."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        debug = _debug_requested(args)
+        try:
+            check_all()
+            with warnings.catch_warnings():
+                if not debug:
+                    warnings.showwarning = _show_warning
+                rv = super().main(args, prog_name or "flintgen", complete_var, standalone_mode=False, **extra)
+        except SystemExit:
+            raise
+        except click.exceptions.Abort:
+            click.echo("flintgen: aborted", err=True)
+            sys.exit(1)
+        except click.ClickException as e:
+            if debug:
+                raise
+            hint = ""
+            if isinstance(e, click.UsageError) and e.ctx is not None:
+                hint = f" (see `{e.ctx.command_path} --help`)"
+            click.echo(f"flintgen: error: {one_line(e.format_message())}{hint}", err=True)
+            sys.exit(2)
+        except USER_ERRORS as e:
+            if debug:
+                raise
+            click.echo(f"flintgen: error: {one_line(e)}", err=True)
+            sys.exit(2)
+        except Exception as e:  # noqa: BLE001 - the one-line contract for internal failures
+            if debug:
+                raise
+            click.echo(f"flintgen: internal error: {type(e).__name__}: {one_line(e)[:2000]} "
+                       "(rerun with --debug for the traceback)", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def _load_spec(preset: str | None, spec_file: str | None, hf_config: str | None = None,
@@ -24,7 +93,7 @@ def _load_spec(preset: str | None, spec_file: str | None, hf_config: str | None 
     from flintgen.presets import get_preset
 
     if sum(x is not None for x in (preset, spec_file, hf_config)) > 1:
-        raise click.UsageError("give one of --preset, --spec and --hf-config")
+        raise click.UsageError("give one of --preset, --spec and --hf-config, not several")
     if hf_config:
         return spec_from_hf_config(hf_config, tp_size=tp or 1, page_size=page_size or 16,
                                    weight_format=weights or "bf16", max_batch=max_batch or 256,
@@ -45,11 +114,17 @@ def _spec_options(f):
                      help="A Hugging Face config.json to map to a spec.")(f)
     f = click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False),
                      help="Spec file (.toml or .json).")(f)
-    f = click.option("--preset", default=None, help="Built-in spec name (default: flint).")(f)
+    f = click.option("--preset", default=None, help="Built-in spec name (`flintgen presets`).")(f)
     return f
 
 
-def _spec_from_opts(o: dict) -> Spec:
+def _spec_from_opts(o: dict, required: bool = False) -> Spec:
+    if required and o["preset"] is None and o["spec_file"] is None and o["hf_config"] is None:
+        from flintgen.presets import PRESETS
+
+        raise click.UsageError("which model? pass --preset NAME (one of " + ", ".join(sorted(PRESETS)) +
+                               "; `flintgen presets` lists them), --spec FILE.toml|.json or "
+                               "--hf-config config.json")
     return _load_spec(o.pop("preset"), o.pop("spec_file"), o.pop("hf_config"), o.pop("tp"),
                       o.pop("page_size"), o.pop("weights"), o.pop("max_batch"))
 
@@ -65,40 +140,25 @@ def _plan(spec: Spec, target, only=()) -> list[tuple[str, object]]:
 
 
 def _build_one(spec: Spec, kernel: str, variant, target, root: str):
+    """Build (or find) one variant in the cache at ``root``; never falls back to an
+    uncached build: ``flintgen build`` exists to fill the cache."""
     t0 = time.perf_counter()
     kdef = get_def(kernel)
     entry = cache.make_entry(variant, kdef.template, dict(kdef.render_params(spec, variant)), target, root)
-    outcome = cache.get_or_build(entry)
+    outcome = cache.get_or_build(entry, fallback=False)
     meta = cache.read_meta(entry) or {}
     return variant.name, outcome.hit, time.perf_counter() - t0, meta.get("resources"), entry.dir
 
 
-@click.group()
-@click.version_option(__version__, prog_name="flintgen")
-def main():
-    """flintgen: generate, compile and cache decode kernels for a model spec."""
+def _init_worker(parent_pid: int) -> None:
+    """Pool worker start: die with the parent, even when it is SIGKILLed."""
+    from flintgen import procutil
+
+    procutil.die_with_parent(parent_pid)
 
 
-@main.command()
-@_spec_options
-@click.option("--arch", default=None, help="Target arch (sm_90a). Default: the visible GPU's, else sm_90a.")
-@click.option("--num-sms", type=int, default=None, help="SM count. Default: the visible GPU's, else 132.")
-@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Parallel compile processes.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Cache root (default: FLINTGEN_CACHE_DIR, the checkout's cache/, or ~/.cache/flintgen).")
-@click.option("--kernel", "kernels", multiple=True, help="Only these kernels (repeatable). Default: all.")
-def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
-    """Render and compile every kernel and launch variant the spec needs."""
-    spec = _spec_from_opts(spec_opts)
-    if arch is None and num_sms is None and toolchain.gpu_target() is None and not os.environ.get("FLINTGEN_ARCH"):
-        click.echo("no GPU visible: building for sm_90a with 132 SMs (H100 SXM/H200); "
-                   "use --arch/--num-sms to choose", err=True)
-    target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
-    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
-    plan = _plan(spec, target, kernels)
-    click.echo(f"flintgen {__version__}: spec {spec.name} ({spec.spec_hash}), target {target.arch} "
-               f"x {target.num_sms} SMs, cache {root}: {len(plan)} kernels")
-    t0 = time.perf_counter()
+def _build_all(spec: Spec, plan, target, root: str, jobs: int):
+    """(results, failures) of building ``plan``; failures are (variant name, exception)."""
     results, failures = [], []
     if jobs <= 1:
         with click.progressbar(plan, label="building", item_show_func=lambda p: p and p[1].name) as bar:
@@ -107,17 +167,52 @@ def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
                     results.append(_build_one(spec, name, v, target, root))
                 except Exception as e:  # noqa: BLE001 - reported below, build goes on
                     failures.append((v.name, e))
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futs = {pool.submit(_build_one, spec, name, v, target, root): v for name, v in plan}
-            with click.progressbar(length=len(futs), label="building") as bar:
-                for fut in cf.as_completed(futs):
-                    try:
-                        results.append(fut.result())
-                    except Exception as e:  # noqa: BLE001
-                        failures.append((futs[fut].name, e))
-                    bar.update(1)
+        return results, failures
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(plan) or 1), mp_context=ctx,
+                                initializer=_init_worker, initargs=(os.getpid(),)) as pool:
+        futs = {pool.submit(_build_one, spec, name, v, target, root): v for name, v in plan}
+        with click.progressbar(length=len(futs), label="building") as bar:
+            for fut in cf.as_completed(futs):
+                try:
+                    results.append(fut.result())
+                except Exception as e:  # noqa: BLE001
+                    failures.append((futs[fut].name, e))
+                bar.update(1)
+    return results, failures
+
+
+@click.group(cls=_Main)
+@click.version_option(__version__, prog_name="flintgen")
+@click.option("--debug", is_flag=True, help="Print Python tracebacks (also FLINTGEN_DEBUG=1).")
+def main(debug):
+    """flintgen: generate, compile and cache decode kernels for a model spec."""
+
+
+@main.command()
+@_spec_options
+@click.option("--arch", default=None, help="Target arch (sm_90a). Default: the visible GPU's, else sm_90a.")
+@click.option("--num-sms", type=click.IntRange(1, MAX_NUM_SMS), default=None,
+              help="SM count. Default: the visible GPU's, else 132.")
+@click.option("--jobs", "-j", type=click.IntRange(1, MAX_JOBS), default=1, show_default=True,
+              help="Parallel compile processes.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Cache root (default: FLINTGEN_CACHE_DIR, the checkout's cache/, or ~/.cache/flintgen).")
+@click.option("--kernel", "kernels", multiple=True, help="Only these kernels (repeatable). Default: all.")
+def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
+    """Render and compile every kernel and launch variant the spec needs."""
+    spec = _spec_from_opts(spec_opts, required=True)
+    if arch is None and num_sms is None and toolchain.gpu_target() is None and not os.environ.get("FLINTGEN_ARCH"):
+        click.echo("no GPU visible: building for sm_90a with 132 SMs (H100 SXM/H200); "
+                   "use --arch/--num-sms to choose", err=True)
+    target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
+    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
+    plan = _plan(spec, target, kernels)
+    click.echo(f"flintgen {__version__}: spec {spec.name} ({spec.spec_hash}), target {target.arch} "
+               f"x {target.num_sms} SMs, cache {root}: {len(plan)} kernels")
+    cache.check_root_usable(root)
+    t0 = time.perf_counter()
+    results, failures = _build_all(spec, plan, target, root, jobs)
     hits = sum(1 for r in results if r[1])
     for name, hit, secs, res, _ in sorted(results):
         regs = (res or {}).get("registers")
@@ -125,16 +220,20 @@ def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
         click.echo(f"  {'hit ' if hit else 'miss'} {name:<60} {secs:6.2f}s  regs={regs} spill={spill}")
     click.echo(f"{len(results)} built: {hits} hits, {len(results) - hits} misses, "
                f"{len(failures)} failed, {time.perf_counter() - t0:.1f}s")
-    for name, e in failures:
-        click.echo(f"FAILED {name}: {e}", err=True)
     if failures:
+        debug = _debug_requested(None)
+        for name, e in failures:
+            text = str(e) if debug else one_line(e)[:2000]
+            click.echo(f"flintgen: error: building {name} failed: {type(e).__name__}: {text}", err=True)
+        if not debug:
+            click.echo("flintgen: error: rerun with --debug for the full compiler output", err=True)
         sys.exit(1)
 
 
 @main.command(name="list")
 @_spec_options
 @click.option("--arch", default=None)
-@click.option("--num-sms", type=int, default=None)
+@click.option("--num-sms", type=click.IntRange(1, MAX_NUM_SMS), default=None)
 def list_(arch, num_sms, **spec_opts):
     """List the spec's kernels and their launch variants."""
     spec = _spec_from_opts(spec_opts)
@@ -153,7 +252,7 @@ def list_(arch, num_sms, **spec_opts):
 @click.option("--variant", "variant_index", type=int, default=0, show_default=True,
               help="Index of the variant in `flintgen list`.")
 @click.option("--arch", default=None)
-@click.option("--num-sms", type=int, default=None)
+@click.option("--num-sms", type=click.IntRange(1, MAX_NUM_SMS), default=None)
 def show(kernel, variant_index, arch, num_sms, **spec_opts):
     """Print the generated source of KERNEL for the spec."""
     from flintgen import codegen
@@ -177,53 +276,103 @@ def show_spec(**spec_opts):
     click.echo(f"spec_hash: {spec.spec_hash}")
 
 
+@main.command()
+def presets():
+    """The built-in specs, one line each."""
+    from flintgen.presets import PRESETS
+
+    for name, p in sorted(PRESETS.items()):
+        click.echo(f"{name:<14} hidden {p.hidden_size:<5} q/kv heads {p.num_q_heads}/{p.num_kv_heads:<3} "
+                   f"head_dim {p.head_dim:<4} window {p.sliding_window or '-':<5} "
+                   f"sinks {'yes' if p.sinks else 'no ':<3} qk_norm {'yes' if p.qk_norm else 'no ':<3} "
+                   f"weights {p.weight_format:<6} layers {p.num_layers}")
+
+
 @main.group(name="cache")
 def cache_group():
     """Inspect and maintain the kernel cache."""
 
 
+_cache_dir_option = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                                 help="Cache root (default: `flintgen env` shows it).")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 @cache_group.command()
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@_cache_dir_option
 def ls(cache_dir):
-    """List cache entries."""
-    root = cache_dir or cache.default_root()
+    """List cache entries, with sizes per target and in total."""
+    root = os.path.abspath(cache_dir or cache.default_root())
     entries = cache.list_entries(root)
     click.echo(f"cache root: {root} ({len(entries)} entries)")
+    per_target: dict[str, list[int]] = {}
     for d, meta in entries:
+        size = cache.tree_bytes(d)
+        tdir = os.path.basename(os.path.dirname(d))
+        acc = per_target.setdefault(tdir, [0, 0])
+        acc[0] += 1
+        acc[1] += size
+        leftovers = len(cache.work_files(d))
+        extra = f"  [{leftovers} leftover work files]" if leftovers else ""
         if meta is None:
-            click.echo(f"  {os.path.relpath(d, root)}  [incomplete]")
+            click.echo(f"  {os.path.relpath(d, root)}  {size // 1024} KiB  [incomplete]{extra}")
             continue
-        size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
-                   if os.path.isfile(os.path.join(d, f)))
         click.echo(f"  {os.path.relpath(d, root)}  {size // 1024} KiB  built {meta.get('built_at')}  "
-                   f"dsl {(meta.get('dsl') or {}).get('nvidia-cutlass-dsl')}")
+                   f"dsl {(meta.get('dsl') or {}).get('nvidia-cutlass-dsl')}{extra}")
+    for tdir, (n, size) in sorted(per_target.items()):
+        click.echo(f"target {tdir}: {n} entries, {_mib(size)}")
+    click.echo(f"total: {len(entries)} entries, {_mib(sum(v[1] for v in per_target.values()))}")
 
 
 @cache_group.command()
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@_cache_dir_option
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-def clean(cache_dir, yes):
-    """Delete every cache entry."""
-    root = cache_dir or cache.default_root()
-    if not yes:
+@click.option("--stale", is_flag=True,
+              help="Remove only unusable entries (damaged, partial) and leftover work files.")
+@click.option("--other-toolchains", is_flag=True,
+              help="With --stale: also entries built by another DSL or flintgen version.")
+def clean(cache_dir, yes, stale, other_toolchains):
+    """Delete cache entries (all of them, or with --stale the unusable ones)."""
+    root = os.path.abspath(cache_dir or cache.default_root())
+    if other_toolchains and not stale:
+        raise click.UsageError("--other-toolchains only applies with --stale")
+    if not yes and not stale:
         click.confirm(f"delete all entries under {root}?", abort=True)
-    click.echo(f"removed {cache.clean(root)} entries from {root}")
+    r = cache.clean(root, stale=stale, other_toolchains=other_toolchains)
+    click.echo(f"removed {r.removed} entries and {r.work_removed} leftover work files "
+               f"({_mib(r.bytes_freed)}) from {root}; kept {r.kept}")
+    for d in r.busy:
+        click.echo(f"flintgen: warning: {os.path.relpath(d, root)} is being built by another process: "
+                   "skipped (run clean again when it finishes)", err=True)
+    for path, why in r.failed:
+        click.echo(f"flintgen: error: could not remove {path}: {why}", err=True)
+    if r.failed:
+        click.echo(f"flintgen: error: {len(r.failed)} entries could not be removed: check the permissions "
+                   f"of {root}", err=True)
+        sys.exit(1)
 
 
 @cache_group.command()
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@_cache_dir_option
 @click.option("--no-load", is_flag=True, help="Check hashes only; do not load the libraries.")
 def verify(cache_dir, no_load):
-    """Check every entry: complete, hash matches, current DSL, loads."""
-    root = cache_dir or cache.default_root()
+    """Check every entry with the runtime's check (key, place, file hashes, DSL
+    version) and load it; exit 1 if any is bad."""
+    root = os.path.abspath(cache_dir or cache.default_root())
     bad = 0
     entries = cache.list_entries(root)
-    for d, meta in entries:
-        problem = cache.verify_dir(d, meta, load=not no_load)
-        if problem:
+    for d, _ in entries:
+        problem = cache.verify_dir(d, load=not no_load)
+        leftovers = cache.work_files(d)
+        if problem or leftovers:
             bad += 1
-            click.echo(f"BAD {os.path.relpath(d, root)}: {problem}")
-    click.echo(f"{len(entries) - bad} ok, {bad} bad, in {root}")
+            why = problem or f"{len(leftovers)} leftover work files of a killed build"
+            click.echo(f"BAD {os.path.relpath(d, root)}: {why}")
+    click.echo(f"{len(entries) - bad} ok, {bad} bad, in {root}"
+               + ("; `flintgen cache clean --stale` removes the bad ones" if bad else ""))
     if bad:
         sys.exit(1)
 

@@ -9,22 +9,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from typing import Any, Mapping
 
 import jinja2
 
+from flintgen import resources
 from flintgen._version import __version__
 
-TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates")
-if not os.path.isdir(TEMPLATE_DIR):  # installed as a wheel: templates ship inside the package
-    TEMPLATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 
 
 @functools.lru_cache(maxsize=None)
 def environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        loader=jinja2.FileSystemLoader(resources.template_dir()),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -12,6 +12,7 @@ convention -> ``export_to_c`` (object file with the embedded cubin) -> link
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import io
 import os
@@ -105,17 +106,32 @@ def compile_module(module_path: str, module_name: str, function_name: str,
         with _capture_fds() as cap, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fn = cute.compile(kernel, *args, options=options)
+    except OSError:
+        raise  # a full or unwritable work dir: the cache's problem, not the kernel's
     except Exception as e:
+        _raise_if_disk_full(f"{e}\n{cap.get('text', '')}", module_path)
         raise RuntimeError(
             f"compiling {module_path} failed: {e}\n--- compiler output ---\n{cap.get('text', '')}"
         ) from e
     text = cap.get("text", "") + "\n".join(str(w.message) for w in caught)
     ptx = fn.__ptx__ or ""
     obj = os.path.join(work_dir, "kernel.o")
-    fn.export_to_c(obj, function_name)
+    try:
+        fn.export_to_c(obj, function_name)
+    except OSError:
+        raise
+    except Exception as e:
+        _raise_if_disk_full(str(e), obj)
+        raise
     report = parse_ptxas_report(text)
     report["local_memory"] = "ld.local" in ptx or "st.local" in ptx
     return CompileResult(fn, ptx, report, obj)
+
+
+def _raise_if_disk_full(text: str, path: str) -> None:
+    """Tools report a full disk as text; make it the OSError the cache falls back on."""
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        raise OSError(errno.ENOSPC, f"no space left writing {path}", path)
 
 
 def link_shared(obj: str, so_path: str) -> None:
@@ -133,4 +149,5 @@ def link_shared(obj: str, so_path: str) -> None:
            "-lcute_dsl_runtime", "-ltvm_ffi"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+        _raise_if_disk_full(proc.stderr, so_path)
         raise RuntimeError(f"linking {obj} failed ({' '.join(cmd)}):\n{proc.stderr}")

@@ -35,12 +35,28 @@ _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_pos
               "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
 
 
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            cfg = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise ValueError(f"cannot read Hugging Face config {path!r}: {e.strerror}. Check the path.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"Hugging Face config {path!r} is not valid JSON ({e}): pass the model's "
+                         "config.json") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"Hugging Face config {path!r} holds a JSON {type(cfg).__name__}, not an object: "
+                         "pass the model's config.json")
+    return cfg
+
+
 def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int = 1, page_size: int = 16,
                         weight_format: str = "bf16", max_batch: int = 256, name: str | None = None) -> Spec:
     """Build the spec of a model from its config.json (a dict or a path)."""
+    where = "config"
     if not isinstance(cfg, dict):
-        with open(cfg) as f:
-            cfg = json.load(f)
+        where = f"Hugging Face config {os.fspath(cfg)!r}"
+        cfg = _read_config(os.fspath(cfg))
     problems: list[str] = []
     mt = cfg.get("model_type")
     if mt not in MODEL_TYPES:
@@ -57,6 +73,9 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
     head_dim = cfg.get("head_dim") or (hidden // nq if isinstance(hidden, int) and isinstance(nq, int) and nq else 0)
 
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        problems.append(f"rope_scaling: {rope!r} is not an object (expected e.g. {{\"rope_type\": \"llama3\", ...}})")
+        rope = {}
     theta = cfg.get("rope_theta", rope.get("rope_theta"))
     rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
     if rope_type not in _ROPE_TYPES:
@@ -65,7 +84,8 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
     if theta is None:
         problems.append("rope_theta: missing")
         theta = 10000.0
-    params = {k: float(rope[k]) for k in _ROPE_KEYS if rope.get(k) is not None}
+    params = {k: float(v) if isinstance(v, bool) else v  # yarn's "truncate": false
+              for k, v in ((k, rope.get(k)) for k in _ROPE_KEYS) if v is not None}
 
     layers = cfg.get("num_hidden_layers")
     window = cfg.get("sliding_window")
@@ -82,12 +102,15 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
     if "sliding" not in layer_types:
         window = None
     if problems:
-        raise ValueError("cannot map this config.json to a flintgen spec:\n  - " + "\n  - ".join(problems))
-    return Spec(
-        name=name or cfg.get("_name_or_path") or mt, hidden_size=hidden, num_q_heads=nq, num_kv_heads=nkv,
-        head_dim=head_dim, page_size=page_size, kv_cache_dtype="bf16", kv_layout="HND",
-        weight_format=weight_format, qkv_bias=bool(cfg.get("attention_bias", False)), sinks=sinks,
-        sliding_window=window, layer_types=layer_types, qk_norm=qk_norm, rope_style="neox",
-        rope_theta=float(theta), rope_scaling=_ROPE_TYPES[rope_type], rope_scaling_params=params,
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_tokens=8, tp_size=tp_size, max_batch=max_batch,
-    )
+        raise ValueError(f"cannot map {where} to a flintgen spec: " + "; ".join(problems))
+    try:
+        return Spec(
+            name=name or cfg.get("_name_or_path") or mt, hidden_size=hidden, num_q_heads=nq, num_kv_heads=nkv,
+            head_dim=head_dim, page_size=page_size, kv_cache_dtype="bf16", kv_layout="HND",
+            weight_format=weight_format, qkv_bias=bool(cfg.get("attention_bias", False)), sinks=sinks,
+            sliding_window=window, layer_types=layer_types, qk_norm=qk_norm, rope_style="neox",
+            rope_theta=float(theta), rope_scaling=_ROPE_TYPES[rope_type], rope_scaling_params=params,
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_tokens=8, tp_size=tp_size, max_batch=max_batch,
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where} maps to a spec flintgen does not support: {e}") from None

@@ -1,27 +1,62 @@
 """Every environment variable flintgen reads, declared once and typed.
 
-Read through the module-level ``knobs`` object (values are read at access time,
-so tests may set them with ``monkeypatch.setenv``).
+Read through the module-level ``knobs`` object. Values are read and checked at
+access time (so tests may set them with ``monkeypatch.setenv``); a bad value
+raises a ``ValueError`` naming the variable, the value, what is accepted and
+the fix.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
+MAX_NUM_SMS = 512     # H100 SXM / H200: 132; no GPU flintgen targets has more than a few hundred
+MAX_LOCK_TIMEOUT = 7 * 24 * 3600.0
+
+
+def _raw(name: str) -> str | None:
+    v = os.environ.get(name, "").strip()
+    return v or None
+
 
 def _bool(name: str) -> bool:
-    v = os.environ.get(name, "").strip().lower()
+    v = (_raw(name) or "").lower()
     if v in ("", "0", "false", "no", "off"):
         return False
     if v in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"environment variable {name}={v!r} is not a boolean: use 1 or 0")
+    raise ValueError(f"environment variable {name}={os.environ[name]!r} is not a boolean: "
+                     f"set {name}=1 or {name}=0 (or unset it)")
 
 
-def _str(name: str) -> str | None:
-    v = os.environ.get(name)
-    return v if v else None
+def _int(name: str, lo: int, hi: int, example: int) -> int | None:
+    v = _raw(name)
+    if v is None:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = None
+    if n is None or not lo <= n <= hi:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer in {lo}..{hi}: "
+                         f"set e.g. {name}={example} (or unset it)")
+    return n
+
+
+def _seconds(name: str, default: float, hi: float) -> float:
+    v = _raw(name)
+    if v is None:
+        return default
+    try:
+        s = float(v)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and 0 <= s <= hi):
+        raise ValueError(f"environment variable {name}={v!r} is not a number of seconds in 0..{hi:g}: "
+                         f"set e.g. {name}={default:g} (or unset it)")
+    return s
 
 
 @dataclass(frozen=True)
@@ -35,16 +70,17 @@ KNOBS = (
     _Knob("FLINTGEN_CHECK_INPUTS", "1: sync and check device-side contracts (block tables, positions) before each launch."),
     _Knob("FLINTGEN_NO_JIT", "1: never compile at run time; a cache miss raises MissingKernelError."),
     _Knob("FLINTGEN_ARCH", "Target arch when no GPU is visible (e.g. sm_90a); the CLI's --arch wins."),
-    _Knob("FLINTGEN_NUM_SMS", "SM count when no GPU is visible (e.g. 132); the CLI's --num-sms wins."),
+    _Knob("FLINTGEN_NUM_SMS", f"SM count when no GPU is visible (1..{MAX_NUM_SMS}, e.g. 132); the CLI's --num-sms wins."),
     _Knob("FLINTGEN_RUNTIME_LIB", "Path of libcute_dsl_runtime.so, if not found next to the installed DSL."),
     _Knob("FLINTGEN_LOCK_TIMEOUT", "Seconds to wait for another process building the same kernel (default 600)."),
+    _Knob("FLINTGEN_DEBUG", "1: the command line prints Python tracebacks (same as --debug)."),
 )
 
 
 class _Knobs:
     @property
     def cache_dir(self) -> str | None:
-        return _str("FLINTGEN_CACHE_DIR")
+        return _raw("FLINTGEN_CACHE_DIR")
 
     @property
     def check_inputs(self) -> bool:
@@ -55,30 +91,39 @@ class _Knobs:
         return _bool("FLINTGEN_NO_JIT")
 
     @property
+    def debug(self) -> bool:
+        return _bool("FLINTGEN_DEBUG")
+
+    @property
     def arch(self) -> str | None:
-        return _str("FLINTGEN_ARCH")
+        return _raw("FLINTGEN_ARCH")
 
     @property
     def num_sms(self) -> int | None:
-        v = _str("FLINTGEN_NUM_SMS")
-        if v is None:
-            return None
-        try:
-            return int(v)
-        except ValueError:
-            raise ValueError(f"FLINTGEN_NUM_SMS={v!r} is not an integer (e.g. 132)") from None
+        return _int("FLINTGEN_NUM_SMS", 1, MAX_NUM_SMS, 132)
 
     @property
     def runtime_lib(self) -> str | None:
-        return _str("FLINTGEN_RUNTIME_LIB")
+        v = _raw("FLINTGEN_RUNTIME_LIB")
+        if v is not None and not os.path.isfile(v):
+            raise ValueError(f"environment variable FLINTGEN_RUNTIME_LIB={v!r} is not a file: point it at "
+                             "libcute_dsl_runtime.so (it ships in nvidia-cutlass-dsl-libs-cu13) or unset it")
+        return v
 
     @property
     def lock_timeout(self) -> float:
-        v = _str("FLINTGEN_LOCK_TIMEOUT")
-        return float(v) if v else 600.0
+        return _seconds("FLINTGEN_LOCK_TIMEOUT", 600.0, MAX_LOCK_TIMEOUT)
 
 
 knobs = _Knobs()
+
+
+def check_all() -> None:
+    """Read every knob once: a bad value raises its ValueError now."""
+    for attr in ("cache_dir", "check_inputs", "no_jit", "debug", "arch", "num_sms", "runtime_lib",
+                 "lock_timeout"):
+        getattr(knobs, attr)
+
 
 # CuTe DSL variables that change the generated binary (``affects_compile=True``
 # in cutlass/base_dsl/env_manager.py, 4.8.1). Their values enter every cache key.

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -68,6 +69,44 @@ def _check_float(name: str, value: Any, positive: bool = True) -> None:
         raise _fail(name, value, "must be a finite number > 0", f"Set '{name}' to a positive value.")
 
 
+def _check_kernel_limits(spec: "Spec") -> None:
+    """Each integer field within the union of the ranges flintgen's kernels
+    declare (``KernelDef.limits``); a kernel outside its own range refuses the
+    spec when it is built."""
+    from flintgen.kernels import KERNELS
+
+    ranges: dict[str, list[tuple[str, int, int]]] = {}
+    for kdef in KERNELS.values():
+        for f, (lo, hi) in kdef.limits.items():
+            ranges.setdefault(f, []).append((kdef.name, lo, hi))
+    for f, per in sorted(ranges.items()):
+        lo, hi = min(r[1] for r in per), max(r[2] for r in per)
+        value = getattr(spec, f)
+        if not lo <= value <= hi:
+            each = ", ".join(f"{k} {a}..{b}" for k, a, b in per)
+            raise _fail(f, value, f"flintgen's kernels support {lo}..{hi} ({each})",
+                        f"Use a {f} in {lo}..{hi}.")
+
+
+def _rope_params(params: Any) -> tuple[tuple[str, float], ...]:
+    """``rope_scaling_params`` as sorted (name, float) pairs, from a mapping or pairs."""
+    if isinstance(params, Mapping):
+        params = list(params.items())
+    try:
+        items = [(k, v) for k, v in params]
+    except (TypeError, ValueError):
+        raise TypeError(f"spec field 'rope_scaling_params' must be a table of name = number, got "
+                        f"{type(params).__name__} {params!r}") from None
+    out = []
+    for k, v in items:
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not math.isfinite(v):
+            raise _fail(f"rope_scaling_params.{k}", v, "a finite number",
+                        "Give each rope scaling parameter as a number, e.g. factor = 8.0.")
+        out.append((k, float(v)))
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True)
 class Spec:
     """A model's attention-path shape, per the whole model (not per rank).
@@ -103,13 +142,11 @@ class Spec:
 
     def __post_init__(self) -> None:
         # Normalize containers so equal specs hash equally.
+        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, (list, tuple)):
+            raise TypeError(f"spec field 'layer_types' must be a list of 'sliding'/'full', got "
+                            f"{type(self.layer_types).__name__} {self.layer_types!r}")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        params = self.rope_scaling_params
-        if isinstance(params, Mapping):
-            params = params.items()
-        object.__setattr__(
-            self, "rope_scaling_params", tuple(sorted((str(k), float(v)) for k, v in params))
-        )
+        object.__setattr__(self, "rope_scaling_params", _rope_params(self.rope_scaling_params))
         if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
             object.__setattr__(self, "rope_theta", float(self.rope_theta))
         self._validate()
@@ -142,9 +179,7 @@ class Spec:
             raise _fail("num_q_heads", self.num_q_heads,
                         f"must be a multiple of num_kv_heads = {self.num_kv_heads} (GQA)",
                         "Check the head counts against the model config.")
-        if self.max_tokens > MAX_TOKENS_LIMIT:
-            raise _fail("max_tokens", self.max_tokens, f"1..{MAX_TOKENS_LIMIT} tokens per fused-QKV call",
-                        f"Use max_tokens <= {MAX_TOKENS_LIMIT}; larger token counts belong to a GEMM path.")
+        _check_kernel_limits(self)
         if self.max_batch > 4096:
             raise _fail("max_batch", self.max_batch, "1..4096", "Lower max_batch.")
         if self.num_q_heads % self.tp_size:
@@ -247,24 +282,37 @@ class Spec:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Spec":
-        """Load a ``.toml`` or ``.json`` spec file."""
+        """Load a ``.toml`` or ``.json`` spec file. Every error names the file."""
         path = os.fspath(path)
-        if path.endswith(".toml"):
-            import tomllib
-
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        elif path.endswith(".json"):
-            with open(path) as f:
-                data = json.load(f)
-        else:
+        if not path.endswith((".toml", ".json")):
             raise ValueError(
                 f"spec file {path!r} has an unsupported extension: supported are .toml and .json. "
                 "Rename the file or convert it."
             )
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read spec file {path!r}: {e.strerror}. Check the path and its "
+                             "permissions.") from None
+        try:
+            text = raw.decode("utf-8")
+            data = tomllib.loads(text) if path.endswith(".toml") else json.loads(text)
+        except UnicodeDecodeError:
+            raise ValueError(f"spec file {path!r} is not UTF-8 text: save it as UTF-8 TOML/JSON") from None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            kind = "TOML" if path.endswith(".toml") else "JSON"
+            raise ValueError(f"spec file {path!r} is not valid {kind}: {e}. Fix the syntax.") from None
         if not isinstance(data, dict):
-            raise ValueError(f"spec file {path!r} must hold a table/object of fields, got {type(data).__name__}")
-        return cls.from_dict(data)
+            raise ValueError(f"spec file {path!r} must hold a table/object of fields, got "
+                             f"{type(data).__name__}: write e.g. preset = \"flint\" plus the fields to change")
+        if not data:
+            raise ValueError(f"spec file {path!r} is empty: name a base with preset = \"flint\" (or another "
+                             "preset) and the fields to change, or give every field")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"spec file {path!r}: {e}") from None
 
 
 def as_spec(spec: "Spec | str") -> Spec:

@@ -14,7 +14,7 @@ import shutil
 import sys
 
 from flintgen.kernels.base import Target
-from flintgen.knobs import knobs
+from flintgen.knobs import MAX_NUM_SMS, knobs
 
 SUPPORTED_ARCHS = ("sm_90a",)
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200
@@ -117,8 +117,9 @@ def _check_arch(arch: str) -> str:
 
 
 def _check_num_sms(n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"num_sms = {n!r} is not a positive integer (an H200 has 132): pass --num-sms 132")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NUM_SMS:
+        raise ValueError(f"num_sms = {n!r} is not an SM count in 1..{MAX_NUM_SMS} (an H100 SXM / H200 has "
+                         "132): pass --num-sms 132")
     return n
 
 
@@ -153,7 +154,12 @@ def resolve_target(arch: str | None = None, num_sms: int | None = None,
     if arch is not None:
         _check_arch(arch)
     gpu = gpu_target(device_index) if arch is None or num_sms is None else None
-    arch = arch or (gpu.arch if gpu else knobs.arch) or ("sm_90a" if cpu_default else None)
+    if arch is None and gpu is None and knobs.arch is not None:
+        if knobs.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"environment variable FLINTGEN_ARCH={knobs.arch!r} is not a supported arch: "
+                             f"flintgen builds for {list(SUPPORTED_ARCHS)}; set FLINTGEN_ARCH=sm_90a or unset it")
+        arch = knobs.arch
+    arch = arch or (gpu.arch if gpu else None) or ("sm_90a" if cpu_default else None)
     if arch is None:
         raise ValueError(
             "no GPU is visible and no target arch was given: pass --arch sm_90a --num-sms 132 "

@@ -76,6 +76,18 @@ class KernelDef(abc.ABC):
     #: PTX fragments every variant must contain (checked in CI on the compiled
     #: PTX): the instructions the design depends on.
     required_ptx: tuple[str, ...] = ()
+    #: Inclusive ranges of the integer spec fields this kernel supports,
+    #: ``{field: (lo, hi)}``. The spec admits the union over kernels; a kernel
+    #: asked for outside its own range is refused by ``check_limits``.
+    limits: Mapping[str, tuple[int, int]] = {}
+
+    def check_limits(self, spec: Spec) -> None:
+        """Raise ValueError naming this kernel when ``spec`` is outside ``limits``."""
+        for field_name, (lo, hi) in self.limits.items():
+            value = getattr(spec, field_name)
+            if not lo <= value <= hi:
+                raise ValueError(f"kernel {self.name} supports {field_name} {lo}..{hi}, got {value} "
+                                 f"(spec {spec.name!r}): use a {field_name} in that range")
 
     def needed(self, spec: Spec) -> bool:
         """Whether ``spec`` uses this kernel at all."""

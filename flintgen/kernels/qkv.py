@@ -72,7 +72,11 @@ class QKVDef(KernelDef):
             early_dequant=cfg.early_dequant if spec.weight_format == "nvfp4" else 0,
         )
 
+    # Compiled spill-free for hidden 512 ... 16384, bf16 and NVFP4 (ptxas 13.0: at most 148 registers).
+    limits = {"hidden_size": (512, 16384), "max_tokens": (1, MAX_TOKENS_LIMIT)}
+
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
+        self.check_limits(spec)
         # The debug variant (pre-norm rows) is built on demand only.
         return [self.variant(spec)]
 
@@ -93,6 +97,7 @@ class QKVDef(KernelDef):
         }
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "QKVOp":
+        self.check_limits(spec)
         return QKVOp(self, spec, target, load)
 
 

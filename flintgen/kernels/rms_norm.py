@@ -23,7 +23,12 @@ class RMSNormDef(KernelDef):
     required_ptx = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global.L1::no_allocate.v4.u32",
                     "ld.global.v4.u32", "st.global.v4.u32", "rsqrt.approx.ftz.f32", "cvt.rn.bf16x2.f32")
 
+    # hidden 65536 spills (ptxas 13.0: 460 bytes at 8 vectors per thread); 32768 takes 64 registers.
+    # Any M: the token count is a run-time dimension (max_tokens bounds the spec, not this kernel).
+    limits = {"hidden_size": (64, 32768), "max_tokens": (1, 256)}
+
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
+        self.check_limits(spec)
         return [Variant.of(self.name, hidden=spec.hidden_size, has_residual=r) for r in (False, True)]
 
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
@@ -32,6 +37,7 @@ class RMSNormDef(KernelDef):
                 "threads": cfg.threads, "vec_per_thread": cfg.vec_per_thread}
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "RMSNormOp":
+        self.check_limits(spec)
         return RMSNormOp(spec, self.variants(spec, target), load)
 
 
