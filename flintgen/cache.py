@@ -391,10 +391,41 @@ def list_entries(root: str | None = None) -> list[tuple[str, dict | None]]:
     return out
 
 
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def check_place(entry_dir: str, meta: dict) -> str | None:
+    """Why ``meta`` does not belong at ``entry_dir``, or None: the directory
+    must be ``<arch>-<num_sms>sm/<variant>-<key16>`` of meta's target, variant
+    and key (only the names are compared; nothing is read)."""
+    if not isinstance(meta, dict):
+        return "meta.json is not a JSON object"
+    d = os.path.normpath(entry_dir)
+    name, tdir = os.path.basename(d), os.path.basename(os.path.dirname(d))
+    key, variant, target = meta.get("key"), meta.get("variant"), meta.get("target")
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        return f"meta.json key {key!r} is not a sha256 hex digest"
+    if not isinstance(variant, str) or not variant:
+        return f"meta.json variant {variant!r} is not a name"
+    if name != f"{variant}-{key[:16]}":
+        return (f"entry directory {name!r} does not match meta.json (variant {variant}, key {key[:16]}): "
+                f"expected {variant}-{key[:16]}")
+    if not isinstance(target, dict) or not isinstance(target.get("arch"), str) \
+            or not isinstance(target.get("num_sms"), int):
+        return f"meta.json target {target!r} is not {{'arch': str, 'num_sms': int}}"
+    expected = f"{target['arch']}-{target['num_sms']}sm"
+    if tdir != expected:
+        return f"target directory {tdir!r} does not match meta.json target: expected {expected}"
+    return None
+
+
 def verify_dir(d: str, meta: dict | None, load: bool = True) -> str | None:
     """Problem with the entry at ``d``, or None."""
     if meta is None:
         return "missing or unreadable meta.json"
+    problem = check_place(d, meta)
+    if problem:
+        return problem
     so = os.path.join(d, "kernel.so")
     try:
         if _sha256_file(so) != meta.get("so_sha256"):
