@@ -36,7 +36,6 @@ Cute-free: runs on a serving machine with only tvm-ffi and the DSL runtime.
 from __future__ import annotations
 
 import datetime
-import gzip
 import hashlib
 import importlib.util
 import io
@@ -75,7 +74,7 @@ _TARGET_DIR = re.compile(r"(sm_[0-9]+[a-z]?)-([1-9][0-9]{0,5})sm")
 _ENTRY_DIR = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.-]*)-([0-9a-f]{16})")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
-_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
+_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError)  # reading the bundle
 
 
 # ---------------------------------------------------------------- planning
@@ -177,7 +176,7 @@ def pack(spec: Spec | Iterable[Spec], target: Target, out_path: str, root: str |
     built = 0
     try:
         members: dict[str, dict] = {}
-        listed = []
+        listed, dsls = [], []
         for e in entries.values():
             if not cache.get_or_build(e).hit:
                 built += 1
@@ -198,6 +197,8 @@ def pack(spec: Spec | Iterable[Spec], target: Target, out_path: str, root: str |
                 lock.release()
             with open(os.path.join(snap, rel, "meta.json")) as f:
                 meta = json.load(f)
+            if meta.get("dsl") not in dsls:
+                dsls.append(meta.get("dsl"))
             for name in ENTRY_FILES:
                 p = os.path.join(snap, rel, name)
                 members[f"{rel}/{name}"] = {"sha256": _sha256_path(p), "size": os.path.getsize(p)}
@@ -207,7 +208,9 @@ def pack(spec: Spec | Iterable[Spec], target: Target, out_path: str, root: str |
         manifest = {
             "bundle_format": BUNDLE_FORMAT,
             "flintgen": __version__,
-            "dsl": toolchain.dsl_identity(),
+            # The DSL the entries were built with (None if they differ: packed from a
+            # serving machine's cache); unpack checks each entry's own too.
+            "dsl": dsls[0] if len(dsls) == 1 else None,
             "tvm_ffi": toolchain.package_version("apache-tvm-ffi"),
             "target": target.to_json(),
             "specs": [{"name": s.name, "spec_hash": s.spec_hash, "spec": s.to_dict(),
@@ -497,7 +500,7 @@ def _unpack(path, digest, tf, root, load, note, max_members, max_bytes) -> Unpac
                             "(launch configurations depend on the SM count): flintgen would not use it here",
                       f"pack one with `flintgen cache pack --arch {gpu.arch} --num-sms {gpu.num_sms}`")
     ident = toolchain.dsl_identity()
-    if ident is not None and mf.get("dsl") != ident:
+    if ident is not None and mf.get("dsl") is not None and mf["dsl"] != ident:
         raise _refuse(path, f"it was built with DSL {mf.get('dsl')} and this machine has DSL {ident}, so its "
                             "entries are stale here (the cache would rebuild them)",
                       "pack it with the installed DSL, or unpack on a serving machine without the DSL")
