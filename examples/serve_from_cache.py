@@ -11,6 +11,10 @@ FLINTGEN_RUNTIME_LIB if it is not next to an installed DSL), then:
     FLINTGEN_CACHE_DIR=/tmp/flint-cache FLINTGEN_NO_JIT=1 python examples/serve_from_cache.py
 
 FLINTGEN_NO_JIT=1 turns a cache miss into an error instead of a compile.
+
+Instead of copying the folder, carry one verified archive of exactly the
+entries the spec needs: `flintgen cache pack` / `flintgen cache unpack`, as in
+examples/bundle_workflow.sh.
 """
 
 import sys

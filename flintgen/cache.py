@@ -303,21 +303,31 @@ def lock_path(entry_dir: str) -> str:
 
 
 # ------------------------------------------------------------------ the check
-def check_place(d: str, meta: dict) -> str | None:
-    """Whether the entry directory ``d`` is where ``meta`` says it belongs:
-    ``<arch>-<num_sms>sm/<variant>-<key16>``."""
-    key, target = meta.get("key"), meta.get("target")
-    if not isinstance(key, str) or not re.fullmatch(r"[0-9a-f]{64}", key):
-        return f"meta.json has no valid key ({key!r})"
-    if not isinstance(target, dict):
-        return "meta.json has no target"
-    want_t = f"{target.get('arch')}-{target.get('num_sms')}sm"
-    want_e = f"{meta.get('variant')}-{key[:16]}"
-    d = os.path.abspath(d)
-    if os.path.basename(d) != want_e:
-        return f"meta.json belongs to entry {want_e}, not {os.path.basename(d)} (copied from another entry?)"
-    if os.path.basename(os.path.dirname(d)) != want_t:
-        return f"meta.json is for target {want_t}, but the entry is under {os.path.basename(os.path.dirname(d))}"
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def check_place(entry_dir: str, meta: dict) -> str | None:
+    """Why ``meta`` does not belong at ``entry_dir``, or None: the directory
+    must be ``<arch>-<num_sms>sm/<variant>-<key16>`` of meta's target, variant
+    and key (only the names are compared; nothing is read)."""
+    if not isinstance(meta, dict):
+        return "meta.json is not a JSON object"
+    d = os.path.normpath(os.path.abspath(entry_dir))
+    name, tdir = os.path.basename(d), os.path.basename(os.path.dirname(d))
+    key, variant, target = meta.get("key"), meta.get("variant"), meta.get("target")
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        return f"meta.json key {key!r} is not a sha256 hex digest"
+    if not isinstance(variant, str) or not variant:
+        return f"meta.json variant {variant!r} is not a name"
+    if name != f"{variant}-{key[:16]}":
+        return (f"entry directory {name!r} does not match meta.json (variant {variant}, key {key[:16]}): "
+                f"expected {variant}-{key[:16]} (copied from another entry?)")
+    if not isinstance(target, dict) or not isinstance(target.get("arch"), str) \
+            or not isinstance(target.get("num_sms"), int):
+        return f"meta.json target {target!r} is not {{'arch': str, 'num_sms': int}}"
+    expected = f"{target['arch']}-{target['num_sms']}sm"
+    if tdir != expected:
+        return f"target directory {tdir!r} does not match meta.json target: expected {expected}"
     return None
 
 

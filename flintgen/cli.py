@@ -377,6 +377,53 @@ def verify(cache_dir, no_load):
         sys.exit(1)
 
 
+@cache_group.command(name="pack")
+@_spec_options
+@click.option("--arch", default=None, help="Target arch (sm_90a). Default: the visible GPU's, else sm_90a.")
+@click.option("--num-sms", type=int, default=None, help="SM count. Default: the visible GPU's, else 132.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Cache root to pack from (and build missing entries into).")
+@click.option("--kernel", "kernels", multiple=True, help="Only these kernels (repeatable). Default: all.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Bundle file to write (.tar.gz; .tar.xz for xz).")
+def cache_pack(arch, num_sms, cache_dir, kernels, output, **spec_opts):
+    """Write one archive of exactly the entries the spec needs, building the
+    missing ones (`flintgen build -j N` first to build in parallel)."""
+    from flintgen import bundle
+
+    spec = _spec_from_opts(spec_opts)
+    if arch is None and num_sms is None and toolchain.gpu_target() is None and not os.environ.get("FLINTGEN_ARCH"):
+        click.echo("no GPU visible: packing for sm_90a with 132 SMs (H100 SXM/H200); "
+                   "use --arch/--num-sms to choose", err=True)
+    target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
+    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
+    rep = bundle.pack(spec, target, output, root, kernels)
+    click.echo(f"packed {rep.entries} entries ({rep.built} built first) of spec {spec.name} ({spec.spec_hash}) "
+               f"for {target.arch} x {target.num_sms} SMs: {rep.members} members, {rep.bytes // 1024} KiB "
+               f"uncompressed, {os.path.getsize(rep.path) // 1024} KiB -> {rep.path}")
+    click.echo(f"sha256: {rep.sha256}")
+
+
+@cache_group.command(name="unpack")
+@click.argument("bundle_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--sha256", default=None, help="Refuse the file unless its sha256 is this (from `cache pack`).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Cache root to install into.")
+@click.option("--load/--no-load", default=None,
+              help="Load-check every library before installing it. Default: when apache-tvm-ffi and "
+                   "libcute_dsl_runtime.so are available here; hashes and places are always checked.")
+def cache_unpack(bundle_file, sha256, cache_dir, load):
+    """Verify a bundle and install its entries into the cache root."""
+    from flintgen import bundle
+
+    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
+    rep = bundle.unpack(bundle_file, root, sha256, load=load)
+    click.echo(f"bundle {rep.path} (sha256 {rep.sha256}, flintgen {rep.bundle_flintgen}, {rep.target.arch} x "
+               f"{rep.target.num_sms} SMs): {len(rep.installed)} installed, {len(rep.skipped)} already present, "
+               f"into {rep.root}")
+    click.echo(f"libraries load-checked: {'yes' if rep.loaded else 'no' + (f' ({rep.load_note})' if rep.load_note else '')}")
+    click.echo(f"flintgen {__version__} will use {rep.used} of the {rep.entries} entries")
+
+
 @main.command()
 def env():
     """Versions, target, cache root and tools."""
