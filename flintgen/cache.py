@@ -620,8 +620,9 @@ def _known_contents(d: str) -> bool:
 
 def entry_dirs(root: str) -> list[str]:
     """The directories under ``root`` that are provably flintgen entries: laid
-    out as ``<arch>-<n>sm/<variant>-<key16>``, real directories holding only
-    entry files, and a meta.json (if any) whose key matches the name."""
+    out as ``<arch>-<n>sm/<variant>-<key16>``, real directories (not links)
+    holding only entry files and work files. Whether one is usable is
+    ``check_dir``'s question."""
     out = []
     try:
         targets = sorted(os.listdir(root))
@@ -633,11 +634,7 @@ def entry_dirs(root: str) -> list[str]:
             continue
         for e in sorted(os.listdir(tp)):
             d = os.path.join(tp, e)
-            m = ENTRY_DIR.match(e)
-            if not m or os.path.islink(d) or not os.path.isdir(d) or not _known_contents(d):
-                continue
-            meta = read_meta_file(d)
-            if meta is not None and not str(meta.get("key", "")).startswith(m.group(1)):
+            if not ENTRY_DIR.match(e) or os.path.islink(d) or not os.path.isdir(d) or not _known_contents(d):
                 continue
             out.append(d)
     return out

@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 import warnings
@@ -31,8 +32,9 @@ USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
 
 
 def one_line(text: object) -> str:
-    """A message as one line: its lines joined with '; '."""
-    return "; ".join(p.strip(" -") for p in str(text).splitlines() if p.strip(" -"))
+    """A message as one line: its lines (bullets dropped) joined with '; '."""
+    lines = (re.sub(r"^\s*-\s+", "", p).strip() for p in str(text).splitlines())
+    return "; ".join(p for p in lines if p)
 
 
 def _debug_requested(args) -> bool:
@@ -202,15 +204,15 @@ def main(debug):
 def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
     """Render and compile every kernel and launch variant the spec needs."""
     spec = _spec_from_opts(spec_opts, required=True)
-    if arch is None and num_sms is None and toolchain.gpu_target() is None and not os.environ.get("FLINTGEN_ARCH"):
-        click.echo("no GPU visible: building for sm_90a with 132 SMs (H100 SXM/H200); "
-                   "use --arch/--num-sms to choose", err=True)
     target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
     root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
     plan = _plan(spec, target, kernels)
+    cache.check_root_usable(root)
+    if arch is None and num_sms is None and toolchain.gpu_target() is None and knobs.arch is None:
+        click.echo("no GPU visible: building for sm_90a with 132 SMs (H100 SXM/H200); "
+                   "use --arch/--num-sms to choose", err=True)
     click.echo(f"flintgen {__version__}: spec {spec.name} ({spec.spec_hash}), target {target.arch} "
                f"x {target.num_sms} SMs, cache {root}: {len(plan)} kernels")
-    cache.check_root_usable(root)
     t0 = time.perf_counter()
     results, failures = _build_all(spec, plan, target, root, jobs)
     hits = sum(1 for r in results if r[1])

@@ -102,7 +102,8 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
     if "sliding" not in layer_types:
         window = None
     if problems:
-        raise ValueError(f"cannot map {where} to a flintgen spec: " + "; ".join(problems))
+        raise ValueError(f"cannot map {where} to a flintgen spec: " + "; ".join(problems) +
+                         ". Fix the config, or write a flintgen spec file and pass it with --spec")
     try:
         return Spec(
             name=name or cfg.get("_name_or_path") or mt, hidden_size=hidden, num_q_heads=nq, num_kv_heads=nkv,

@@ -42,7 +42,8 @@ def _fail(field_name: str, value: Any, supported: str, fix: str) -> ValueError:
 def _check_int(name: str, value: Any, lo: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"spec field '{name}' must be an int, got {type(value).__name__} {value!r}"
+            f"spec field '{name}' must be an int, got {type(value).__name__} {value!r}: "
+            f"write it as a whole number without quotes, e.g. {name} = 16"
         )
     if value < lo:
         raise _fail(name, value, f"must be >= {lo}", f"Set '{name}' to a positive value.")
@@ -51,7 +52,8 @@ def _check_int(name: str, value: Any, lo: int = 1) -> None:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(
-            f"spec field '{name}' must be a bool, got {type(value).__name__} {value!r}"
+            f"spec field '{name}' must be a bool, got {type(value).__name__} {value!r}: "
+            f"write {name} = true or {name} = false"
         )
 
 
@@ -63,7 +65,8 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 def _check_float(name: str, value: Any, positive: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"spec field '{name}' must be a number, got {type(value).__name__} {value!r}"
+            f"spec field '{name}' must be a number, got {type(value).__name__} {value!r}: "
+            f"write it without quotes, e.g. {name} = 10000.0"
         )
     if not math.isfinite(value) or (positive and value <= 0):
         raise _fail(name, value, "must be a finite number > 0", f"Set '{name}' to a positive value.")
@@ -96,7 +99,8 @@ def _rope_params(params: Any) -> tuple[tuple[str, float], ...]:
         items = [(k, v) for k, v in params]
     except (TypeError, ValueError):
         raise TypeError(f"spec field 'rope_scaling_params' must be a table of name = number, got "
-                        f"{type(params).__name__} {params!r}") from None
+                        f"{type(params).__name__} {params!r}: write e.g. rope_scaling_params = "
+                        "{ factor = 8.0 }") from None
     out = []
     for k, v in items:
         if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) \
@@ -144,7 +148,8 @@ class Spec:
         # Normalize containers so equal specs hash equally.
         if isinstance(self.layer_types, str) or not isinstance(self.layer_types, (list, tuple)):
             raise TypeError(f"spec field 'layer_types' must be a list of 'sliding'/'full', got "
-                            f"{type(self.layer_types).__name__} {self.layer_types!r}")
+                            f"{type(self.layer_types).__name__} {self.layer_types!r}: write e.g. "
+                            "layer_types = [\"sliding\", \"full\"]")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "rope_scaling_params", _rope_params(self.rope_scaling_params))
         if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
@@ -154,7 +159,8 @@ class Spec:
     # ------------------------------------------------------------- validation
     def _validate(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"spec field 'name' must be a non-empty string, got {self.name!r}")
+            raise TypeError(f"spec field 'name' must be a non-empty string, got {self.name!r}: give the "
+                            "model a name, e.g. name = \"my-model\"")
         for f in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
                   "max_tokens", "tp_size", "max_batch"):
             _check_int(f, getattr(self, f))
@@ -191,7 +197,7 @@ class Spec:
                         "(kv heads are then replicated, one per rank)",
                         "Pick a tensor-parallel size compatible with the kv-head count.")
         if not self.layer_types:
-            raise _fail("layer_types", self.layer_types, "at least one layer", "List each layer's type.")
+            raise _fail("layer_types", list(self.layer_types), "at least one layer", "List each layer's type.")
         for i, t in enumerate(self.layer_types):
             if t not in LAYER_TYPES:
                 raise _fail(f"layer_types[{i}]", t, f"supported values are {list(LAYER_TYPES)}",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ from flintgen.presets import FLINT
 pytestmark = pytest.mark.compile
 
 T = Target("sm_90a", 132)
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
 def _entry(root, residual=False):
@@ -150,7 +152,9 @@ def test_verify_and_clean(tmp_path):
     assert cache.verify_dir(e.dir, entries[0][1]) is None
     _replace(e.path("kernel.so"), open(e.path("kernel.so"), "rb").read() + b"x")
     assert "sha256" in cache.verify_dir(e.dir, cache.read_meta(e))
-    assert cache.clean(str(tmp_path)) == 1 and cache.list_entries(str(tmp_path)) == []
+    report = cache.clean(str(tmp_path))
+    assert report.removed == 1 and report.bytes_freed > 0 and not report.failed
+    assert cache.list_entries(str(tmp_path)) == []
 
 
 def test_default_root(monkeypatch, tmp_path):
@@ -163,13 +167,75 @@ def test_default_root(monkeypatch, tmp_path):
 
 def test_key_covers_imported_helpers_only(tmp_path, monkeypatch):
     e = _entry(tmp_path)
-    assert cache._device_deps(e.source) == {"ldst", "ptx", "reduce"}    # ldst imports ptx
-    real = cache._device_file
+    assert cache._device_deps(e.source) == {"ldst", "ptx", "reduce"}
+    real = cache._read_module
 
     def edited(name, which):
         return real(name) + (b"\n# edited" if name == which else b"")
 
-    monkeypatch.setattr(cache, "_device_file", lambda n: edited(n, "reduce"))
+    monkeypatch.setattr(cache, "_read_module", lambda n: edited(n, "flintgen.device.ptx"))  # via ldst too
     assert _entry(tmp_path).key != e.key
-    monkeypatch.setattr(cache, "_device_file", lambda n: edited(n, "some_other_helper"))
+    monkeypatch.setattr(cache, "_read_module", lambda n: edited(n, "flintgen.device.rope"))  # not imported
     assert _entry(tmp_path).key == e.key
+
+
+def test_imports_are_parsed_in_every_form():
+    src = textwrap.dedent("""
+        from flintgen.device import (
+            ldst,
+            rope as r,
+        )
+        import flintgen.device.gemv as g
+        from flintgen.device.nvfp4 import something
+        from flintgen.kernels.base import Target
+        x = "from flintgen.device import paged_kv"   # a string, not an import
+    """)
+    assert cache._imports(src) == {"flintgen.device.ldst", "flintgen.device.rope", "flintgen.device.gemv",
+                                   "flintgen.device.nvfp4", "flintgen.kernels.base"}
+    assert cache._imports("from . import ptx\nfrom .rope import f", "flintgen.device") == {
+        "flintgen.device.ptx", "flintgen.device.rope"}
+
+
+_KEY_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from flintgen import cache
+from flintgen.kernels import KERNELS
+from flintgen.kernels.base import Target
+from flintgen.presets import FLINT
+T = Target("sm_90a", 132)
+for name in ("rms_norm", "qkv", "decode_attention"):
+    k = KERNELS[name]
+    v = k.variants(FLINT, T)[0]
+    print(name, cache.make_entry(v, k.template, dict(k.render_params(FLINT, v)), T, "/nonexistent").key)
+"""
+
+
+def _keys_of_copy(tmp_path, edit=None):
+    """Keys of one variant per kernel computed by a copy of flintgen with ``edit`` applied."""
+    copy = tmp_path / "copy"
+    if copy.exists():
+        shutil.rmtree(copy)
+    shutil.copytree(REPO / "flintgen", copy / "flintgen", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "templates", copy / "templates")
+    shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
+    if edit:
+        with open(copy / edit, "a") as f:
+            f.write("\n# an upgrade changed this file\n")
+    out = subprocess.run([sys.executable, "-c", _KEY_SCRIPT, str(copy)], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=str(copy))).stdout
+    return dict(line.split() for line in out.splitlines())
+
+
+@pytest.mark.parametrize("edit, changed", [
+    ("flintgen/compiler.py", {"rms_norm", "qkv", "decode_attention"}),        # compile / export / link code
+    ("flintgen/device/ptx.py", {"rms_norm", "qkv", "decode_attention"}),      # imported by every kernel
+    ("flintgen/device/reduce.py", {"rms_norm", "qkv"}),                       # through head_epilogue
+    ("flintgen/device/paged_kv.py", {"decode_attention"}),
+    ("templates/qkv_gemv.py.j2", {"qkv"}),
+    ("flintgen/hf.py", set()),                                                # not part of any binary
+])
+def test_key_covers_compile_code_and_helpers_in_a_copy(tmp_path, edit, changed):
+    base = _keys_of_copy(tmp_path)
+    after = _keys_of_copy(tmp_path, edit)
+    assert {k for k in base if base[k] != after[k]} == changed

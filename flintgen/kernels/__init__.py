@@ -14,4 +14,5 @@ def get_def(name: str) -> KernelDef:
     try:
         return KERNELS[name]
     except KeyError:
-        raise ValueError(f"unknown kernel {name!r}: flintgen has {sorted(KERNELS)}") from None
+        raise ValueError(f"unknown kernel {name!r}: flintgen has {sorted(KERNELS)}; use one of "
+                         "those names") from None
