@@ -615,7 +615,7 @@ def _known_contents(d: str) -> bool:
         names = os.listdir(d)
     except OSError:
         return False
-    return all(n in ENTRY_FILES or n.startswith(WORK_PREFIXES) for n in names)
+    return all(n in ENTRY_FILES or n.startswith(WORK_PREFIXES) or n == "__pycache__" for n in names)
 
 
 def entry_dirs(root: str) -> list[str]:
@@ -660,7 +660,7 @@ def list_entries(root: str | None = None) -> list[tuple[str, dict | None]]:
 def work_files(d: str) -> list[str]:
     """Leftover work files of a killed writer inside entry ``d``."""
     try:
-        return sorted(os.path.join(d, n) for n in os.listdir(d) if n.startswith(WORK_PREFIXES))
+        return sorted(os.path.join(d, n) for n in os.listdir(d) if n.startswith(WORK_PREFIXES) or n == "__pycache__")
     except OSError:
         return []
 

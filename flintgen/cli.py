@@ -60,6 +60,7 @@ class _Main(click.Group):
             with warnings.catch_warnings():
                 if not debug:
                     warnings.showwarning = _show_warning
+                    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch, harmless
                 rv = super().main(args, prog_name or "flintgen", complete_var, standalone_mode=False, **extra)
         except SystemExit:
             raise

@@ -440,3 +440,17 @@ def test_meta_records_every_file(built):
     assert sorted(files) == sorted(cache.HASHED_FILES)
     for name, digest in files.items():
         assert cache._sha256_file(e0.path(name)) == digest
+
+
+def test_entries_hold_exactly_their_files_with_bytecode_writing_on(tmp_path):
+    """Compiling imports module.py from the entry: no __pycache__ may appear there
+    (a user's Python writes bytecode by default)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    root = tmp_path / "c"
+    p = subprocess.run(flintgen_cmd("build", *BUILD_ARGS, "--cache-dir", str(root)), capture_output=True,
+                       text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    dirs = cache.entry_dirs(str(root))
+    assert len(dirs) == 2
+    for d in dirs:
+        assert sorted(os.listdir(d)) == sorted(cache.ENTRY_FILES)
