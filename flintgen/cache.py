@@ -602,9 +602,7 @@ def check_root_usable(root: str) -> None:
     checks this before compiling anything)."""
     try:
         os.makedirs(root, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=root)
-        os.close(fd)
-        os.unlink(probe)
+        _mark_root(root)
     except OSError as e:
         raise ValueError(f"cache root {root} is not usable ({e.strerror or e}): {_WRITABLE_FIX}") from None
 
@@ -712,7 +710,7 @@ def clean(root: str | None = None, *, stale: bool = False, other_toolchains: boo
     busy). Refuses a root that is not a flintgen cache."""
     root = os.path.abspath(root or default_root())
     report = CleanReport()
-    if not os.path.isdir(root):
+    if not os.path.isdir(root) or not os.listdir(root):
         return report
     if not is_cache_root(root):
         raise ValueError(f"{root} is not a flintgen cache (no {CACHEDIR_TAG}, no flintgen entries): nothing "
