@@ -9,9 +9,10 @@ Layout (one directory per kernel identity)::
         meta.json    written last: the commit marker
 
 The key hashes the kernel's identity: kernel name and compile-time parameters,
-the rendered source, flintgen's device-helper modules, the target (arch, SM
-count), the compile options and the DSL's compile-affecting environment. Not
-the Python version, so a cache built under 3.11 serves 3.12.
+the rendered source, flintgen's device-helper modules (and flintgen/layout.py,
+which they read), the target (arch, SM count), the compile options and the
+DSL's compile-affecting environment. Not the Python version, so a cache built
+under 3.11 serves 3.12.
 
 The DSL version is checked, not keyed: where the DSL is installed, an entry
 built by another DSL version is a miss and is rebuilt in place; where only the
@@ -73,28 +74,40 @@ def default_root() -> str:
 
 _DEVICE_IMPORT = re.compile(r"^\s*(?:from\s+flintgen\.device(?:\.(\w+))?\s+import\s+([\w, ]+)|"
                             r"import\s+flintgen\.device\.(\w+))", re.M)
+# flintgen/layout.py (cute-free layout numbers) is read by device helpers too:
+# it is a helper dependency under this name (no device module can be named so).
+LAYOUT_DEP = "flintgen.layout"
+_LAYOUT_IMPORT = re.compile(r"^\s*(?:from\s+flintgen\.layout\s+import|import\s+flintgen\.layout\b|"
+                            r"from\s+flintgen\s+import\s+(?:[\w, ]+,\s*)?layout\b)", re.M)
 
 
 def _device_deps(source: str) -> set[str]:
-    """Names of the flintgen.device modules ``source`` imports."""
+    """Names of the flintgen.device modules ``source`` imports (and
+    LAYOUT_DEP when it imports flintgen.layout)."""
     deps = set()
     for mod, names, plain in _DEVICE_IMPORT.findall(source):
         if mod or plain:
             deps.add(mod or plain)
         else:  # from flintgen.device import a, b
             deps.update(n.strip() for n in names.split(",") if n.strip())
+    if _LAYOUT_IMPORT.search(source):
+        deps.add(LAYOUT_DEP)
     return deps
 
 
 def _device_file(name: str) -> bytes:
-    path = os.path.join(_PKG_DIR, "device", f"{name}.py")
+    if name == LAYOUT_DEP:
+        path = os.path.join(_PKG_DIR, "layout.py")
+    else:
+        path = os.path.join(_PKG_DIR, "device", f"{name}.py")
     with open(path, "rb") as f:
         return f.read()
 
 
 def helpers_hash(source: str) -> str:
-    """sha256 over the flintgen.device modules the generated ``source`` imports,
-    transitively: editing a helper rebuilds exactly the kernels that use it."""
+    """sha256 over the flintgen.device modules (and flintgen/layout.py) the
+    generated ``source`` imports, transitively: editing a helper rebuilds
+    exactly the kernels that use it."""
     seen: set[str] = set()
     todo = sorted(_device_deps(source))
     while todo:
