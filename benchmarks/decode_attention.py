@@ -26,6 +26,7 @@ import statistics
 import torch
 
 import flintgen
+from flintgen.layout import AttentionLayout
 from benchmarks.harness import Row, read_bandwidth, time_graph, write_results
 from benchmarks.peers import PEERS
 
@@ -92,7 +93,10 @@ class Case:
         """Time the same cache with another window (None: full attention)."""
         self.window = window
         attended = sum(min(n, window) if window else n for n in self.seq_lens.tolist())
-        self.bytes = attended * self.spec.kv_heads_per_rank * 2 * self.spec.head_dim * 2
+        spec = self.spec
+        lay = AttentionLayout(head_dim=spec.head_dim, gqa=spec.q_heads_per_rank // spec.kv_heads_per_rank,
+                              kv_dtype=spec.kv_cache_dtype)
+        self.bytes = attended * spec.kv_heads_per_rank * lay.kv_row_bytes  # K | V rows read
 
     def flintgen_fn(self):
         op = flintgen.get_kernel(self.spec, "decode_attention")

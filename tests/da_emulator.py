@@ -551,7 +551,7 @@ def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_p
     import torch
 
     from flintgen import codegen
-    from flintgen.configs import decode_attention_config as dac
+    from flintgen.layout import AttentionLayout
 
     # -inf - -inf in discarded lanes (``_weight``'s selp) is expected.
     warnings.filterwarnings("ignore", message="invalid value encountered", category=RuntimeWarning)
@@ -565,7 +565,7 @@ def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_p
     need = q.numel() * 4 + kv.numel() * 2 + bt.numel() * 4 + 4 * num_partials * 40 * d + (1 << 20)
     gmem = GlobalMemory(need + 64 * 256)
     ns = load(src, gmem)
-    th = dac.tile_heads(hq // kv.shape[1])
+    th = AttentionLayout(head_dim=d, gqa=hq // kv.shape[1]).tile_rows
     tq = Tensor(gmem, bf(q))
     tkv = Tensor(gmem, bf(kv))
     tbt = Tensor(gmem, bt.numpy().astype(np.int32))

@@ -10,13 +10,14 @@ import random
 
 import torch
 
+from flintgen.layout import SLICE_TOKENS
 from flintgen.references.decode_attention import (
     decode_attention_ref,
     decode_attention_seed_rounding,
     rel_error,
 )
 
-SLICE = 16          # tokens the kernel streams per ring slot, whatever the page size
+SLICE = SLICE_TOKENS  # tokens the kernel streams per ring slot, whatever the page size
 _RESULTS = os.environ.get("FLINTGEN_DA_RESULTS")
 
 

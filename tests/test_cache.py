@@ -232,6 +232,7 @@ def _keys_of_copy(tmp_path, edit=None):
     ("flintgen/device/ptx.py", {"rms_norm", "qkv", "decode_attention"}),      # imported by every kernel
     ("flintgen/device/reduce.py", {"rms_norm", "qkv"}),                       # through head_epilogue
     ("flintgen/device/paged_kv.py", {"decode_attention"}),
+    ("flintgen/layout.py", {"qkv", "decode_attention"}),                      # read by their helpers
     ("templates/qkv_gemv.py.j2", {"qkv"}),
     ("flintgen/hf.py", set()),                                                # not part of any binary
 ])

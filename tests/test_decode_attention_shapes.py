@@ -25,6 +25,7 @@ from flintgen import cache, codegen
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef
+from flintgen.layout import AttentionLayout
 from flintgen.presets import FLINT
 
 from decode_attention_cases import Case, lens_for, record, refill
@@ -182,11 +183,14 @@ def test_rendered_source_follows_the_shape(gqa, head_dim, page):
     for v in KDEF.variants(spec, T132)[:3] + KDEF.variants(spec, T132)[-2:]:
         src = codegen.render(v.kernel, KDEF.template, dict(KDEF.render_params(spec, v)))
         assert f"HEAD_DIM = {head_dim}\n" in src and f"GQA = {gqa}\n" in src and f"PAGE = {page}\n" in src
-        assert ("block_ids_sliced" in src) == (page > 16)
-        assert ("m2, m3, l2, l3 = decode_mma.attend_page" in src) == (gqa == 16)
-        assert ("cutlass.min(eh, Int32(GQA - 1))" in src) == (gqa < 8 and not v["cluster"])
+        # Code paths branch (cutlass.const_expr) on the layout's constants.
+        consts = {ln.split("#")[0].strip() for ln in src.splitlines()}
+        assert f"SLICES_PER_PAGE = {page // 16}" in consts
+        assert f"NUM_TILES = {2 if gqa == 16 else 1}" in consts
+        assert f"TILE_HEADS = {16 if gqa == 16 else 8}" in consts
+        assert f"SLICE_BYTES = {64 * head_dim}" in consts   # 16 tokens x (K | V) x head_dim x 2 bytes
         if v["ctas_per_sm"]:
-            ring = v["num_warps"] * v["num_stages"] * dac.slice_bytes(head_dim)
+            ring = v["num_warps"] * v["num_stages"] * AttentionLayout(head_dim=head_dim, gqa=gqa).slice_bytes
             pad = KDEF.render_params(spec, v)["pad_bytes"]
             assert (ring + pad) * (v["ctas_per_sm"] + 1) > dac.SMEM_PER_SM
 

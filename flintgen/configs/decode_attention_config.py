@@ -12,9 +12,10 @@ against the bandwidth floor and the peers: benchmarks/results/decode_attention
 benchmarks/results/decode_attention_sweep.md. Long windows take the
 full-attention rule (unmeasured).
 
-Terms: a *slice* is 16 tokens of one kv head's page, [16, 2 * head_dim] bf16
-(8 KB at head_dim 128, 4 KB at 64): the unit every warp streams (a page of
-32 or 64 tokens is 2 or 4 consecutive slices in the HND cache). A *split* is
+Terms (numbers and shapes: flintgen/layout.py): a *slice* is
+SLICE_TOKENS = 16 tokens of one kv head's page, [16, 2 * head_dim] bf16 (8 KB
+at head_dim 128, 4 KB at 64): the unit every warp streams (a page of 32 or 64
+tokens is 2 or 4 consecutive slices in the HND cache). A *split* is
 one CTA of a (request, kv head); its ``num_warps`` warps each stream whole
 slices through a private ring of ``num_stages`` bulk-copy slots.
 ``min_pages``: a split is active only when each of its warps gets at least
@@ -25,27 +26,24 @@ and merge through distributed shared memory instead of global fp32 partials
 CTAs to arrive merge (a group of tile_heads / merge_ctas heads each) instead
 of the last one alone; ``merge_from``: only once that many splits are active
 (a runtime count that grows with seq_len; below it the last CTA alone).
-Head tiles: the mma's N = 8 columns are q heads, so GQA 4 runs one tile with
-4 padded heads and GQA 16 two tiles (``tile_heads`` 8 or 16 heads are
-computed and merged).
+Head tiles (``AttentionLayout``): the mma's N = HEAD_TILE = 8 columns are q
+heads, so GQA 4 runs one tile with 4 padded heads and GQA 16 two tiles
+(``tile_heads`` 8 or 16 heads are computed and merged).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flintgen.layout import HEAD_TILE, SLICE_TOKENS, AttentionLayout
+
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_GQA = (4, 8, 16)
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
+SUPPORTED_KV_DTYPES = ("bf16",)        # the device math's fragments are bf16 pairs
 
-SLICE = 16                             # tokens per streamed slice (the mma's M)
-PAGE_BYTES = 16 * 2 * 128 * 2          # one head_dim-128 slice: 16 x (K | V) x 128 x bf16 = 8 KB
 SMEM_PER_SM = 228 * 1024               # H100/H200 shared memory per SM
 SMEM_PER_CTA_MAX = 227 * 1024          # opt-in maximum of one CTA
-# Epilogue scratch reuses the ring: per warp TH heads x D dims of partial O
-# plus m[TH], l[TH] (fp32), then the split merge's m/l table. At Flint's
-# TH = 8, D = 128:
-WARP_SCRATCH_FLOATS = 8 * 128 + 16
 # Windows up to this many slices (496 tokens: 31 slices + 1 for an unaligned
 # start) count as "short": the cluster design was measured with window 128
 # (8-9 slices). Longer windows use the full-attention rule.
@@ -54,16 +52,6 @@ MAX_CLUSTER = 8                        # portable thread-block cluster size
 # Active splits from which 4 CTAs merge a pair's 8-head partials (fewer: the
 # last CTA alone); measured crossover 32..48 (launch_config).
 MERGE_FROM_ACTIVE = 40
-
-
-def slice_bytes(head_dim: int) -> int:
-    """Bytes of one 16-token slice of one kv head: 16 x (K | V) x D x bf16."""
-    return SLICE * 2 * head_dim * 2
-
-
-def tile_heads(gqa: int) -> int:
-    """Heads a CTA computes per kv head: whole mma tiles of N = 8."""
-    return 8 * -(-gqa // 8)
 
 
 @dataclass(frozen=True)
@@ -130,12 +118,18 @@ class DecodeAttentionConfig:
                 raise ValueError(f"ring + cluster buffer of {self} do not fit one CTA's shared memory")
 
     @property
+    def layout(self) -> AttentionLayout:
+        """q tile and KV slices of the shape (one query token, bf16 cache)."""
+        return AttentionLayout(head_dim=self.head_dim, gqa=self.gqa)
+
+    @property
     def tile_heads(self) -> int:
-        return tile_heads(self.gqa)
+        """q heads computed per kv head: whole mma tiles, GQA padded up."""
+        return self.layout.tile_rows
 
     @property
     def slice_bytes(self) -> int:
-        return slice_bytes(self.head_dim)
+        return self.layout.slice_bytes
 
     @property
     def ring_bytes(self) -> int:
@@ -174,7 +168,7 @@ class DecodeAttentionConfig:
                 "merge_from": self.merge_from}
 
 
-def check_supported(*, head_dim: int, gqa: int, page_size: int) -> None:
+def check_supported(*, head_dim: int, gqa: int, page_size: int, kv_dtype: str = "bf16") -> None:
     """Raise NotImplementedError for shapes this kernel does not handle."""
     if head_dim == 256:
         raise NotImplementedError(
@@ -187,8 +181,9 @@ def check_supported(*, head_dim: int, gqa: int, page_size: int) -> None:
     for name, value, ok, why in (
         ("head_dim", head_dim, SUPPORTED_HEAD_DIMS, "the mma fragment layouts cover 64 and 128 dims"),
         ("GQA (q heads per kv head per rank)", gqa, SUPPORTED_GQA,
-         "q heads are the mma's 8 columns: GQA 4 pads one tile, 16 runs two"),
-        ("page_size", page_size, SUPPORTED_PAGE_SIZES, "pages are streamed as 16-token slices"),
+         f"q heads are the mma's {HEAD_TILE} columns: GQA 4 pads one tile, 16 runs two"),
+        ("page_size", page_size, SUPPORTED_PAGE_SIZES, f"pages are streamed as {SLICE_TOKENS}-token slices"),
+        ("kv_cache_dtype", kv_dtype, SUPPORTED_KV_DTYPES, "the mma fragments are built from bf16 K / V pairs"),
     ):
         if value not in ok:
             raise NotImplementedError(
@@ -197,11 +192,11 @@ def check_supported(*, head_dim: int, gqa: int, page_size: int) -> None:
             )
 
 
-def is_short_window(window: int | None, page_size: int = SLICE) -> bool:
-    """Whether a window spans at most SHORT_WINDOW_MAX_PAGES 16-token slices
-    (``page_size`` is accepted for callers but does not matter: work is
-    distributed in slices)."""
-    return window is not None and -(-window // SLICE) + 1 <= SHORT_WINDOW_MAX_PAGES
+def is_short_window(window: int | None, page_size: int = SLICE_TOKENS) -> bool:
+    """Whether a window spans at most SHORT_WINDOW_MAX_PAGES slices of
+    SLICE_TOKENS (``page_size`` is accepted for callers but does not matter:
+    work is distributed in slices)."""
+    return window is not None and -(-window // SLICE_TOKENS) + 1 <= SHORT_WINDOW_MAX_PAGES
 
 
 def _fit_cluster(splits: int, stages: int, head_dim: int, gqa: int) -> DecodeAttentionConfig:
@@ -320,7 +315,7 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     # MERGE_FROM_ACTIVE = 40. Pairs with fewer splits than that keep the last
     # CTA alone (B=2, 33 splits, L=32k: 21.20 alone vs 21.56 with 4; 64/8 B=1,
     # 16 splits: 35.82 vs 36.48). One pair (132 splits) is extrapolated.
-    two_tiles = gqa > 8
+    two_tiles = AttentionLayout(head_dim=head_dim, gqa=gqa).num_tiles > 1
     if num_bh <= 8 and two_tiles:
         return DecodeAttentionConfig(max(1, num_sms // num_bh), 8, 2, 1, False, 1, head_dim, gqa,
                                      merge_ctas=4 if num_sms // num_bh >= 2 else 1)
@@ -368,7 +363,8 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
     6.11 / 10.80 / 14.47, 132 x 4 8.49 / 16.29 / 19.37 (sweep run 5; XQA
     10.31 at 8k).
     """
-    if num_bh == 1 or (gqa > 8 and num_bh <= 8):
+    two_tiles = AttentionLayout(head_dim=64, gqa=gqa).num_tiles > 1
+    if num_bh == 1 or (two_tiles and num_bh <= 8):
         return DecodeAttentionConfig(max(1, num_sms // (2 * num_bh)), 4, 6, 1, False, 2, 64, gqa)
     splits = max(1, 2 * num_sms // num_bh)
     if num_bh <= 8:

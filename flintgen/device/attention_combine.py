@@ -9,7 +9,8 @@ Merging partials r: m = max m_r, w_r = exp2(m_r * c - m * c) (0 for an empty
 partial, m_r = -inf), O = sum w_r O_r, l = sum w_r l_r; the output is
 O / (l + exp2(sink * log2 e - m * c)).
 
-Heads: TH = 8 x head tiles (8 for GQA 4 and 8, 16 for GQA 16) are merged;
+Heads: TH = HEAD_TILE x head tiles (8 for GQA 4 and 8, 16 for GQA 16;
+flintgen/layout.py ``AttentionLayout.tile_rows``) are merged;
 with GQA 4 heads 4..7 are padding (q = 0) and are merged but never written
 (``G`` below is the real GQA, TH >= G). D = head_dim.
 
@@ -38,6 +39,7 @@ from cutlass import Float32, Int32, Int64
 
 from flintgen.device import ptx
 from flintgen.device.attn_ptx import lds_f32x4, selp_f32, sts_f32x2, stg_b16
+from flintgen.layout import HEAD_TILE
 
 LOG2E = 1.4426950408889634
 
@@ -63,13 +65,13 @@ def cta_combine(acc, ml, scratch, warp, g, t, eh, ed, scale_log2, o,
     already summed over the warp. Fills ``o`` (E floats) and returns
     ``(m_cta, l_cta)`` for head ``eh``."""
     T = len(ml) // 4
-    TH = 8 * T
+    TH = HEAD_TILE * T
     WS = warp_scratch(TH, D)
     MO = TH * D          # m offset in a warp's scratch; l follows at MO + TH
     cute.arch.sync_threads()
     wbuf = scratch + warp * (WS * 4)
     for tl in cutlass.range_constexpr(T):
-        h0 = 8 * tl + 2 * t
+        h0 = HEAD_TILE * tl + 2 * t
         ao = tl * (D // 4)
         for j in cutlass.range_constexpr(D // 16):
             d0 = 64 * (j // 4) + 8 * g + 2 * (j % 4)

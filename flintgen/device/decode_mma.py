@@ -5,10 +5,11 @@ Provenance: the hand-written Flint decode kernel (shared/seeds/000_*.txt),
 ``compute``, as a free function, generalized over head_dim ``D`` (64, 128)
 and head tiles.
 
-The q heads of a kv head are the mma's N = 8 columns, one *tile* of 8 heads
-per mma: GQA 8 is one tile; GQA 4 is one tile whose columns 4..7 have q = 0
-(their results are computed and never stored); GQA 16 is two tiles that share
-the slice's K/V fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
+The q heads of a kv head are the mma's N = HEAD_TILE = 8 columns, one *tile*
+of 8 heads per mma (flintgen/layout.py, ``AttentionLayout``): GQA 8 is one
+tile; GQA 4 is one tile whose columns 4..7 have q = 0 (their results are
+computed and never stored); GQA 16 is two tiles that share the slice's K/V
+fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
 
 * S^T[token, head] = K Q^T: M = 16 tokens, N = 8 heads, K = D dims in D / 16
   k-steps. Any permutation of the dims works if A and B agree: k-step
@@ -34,8 +35,7 @@ from cutlass import Int32, Int64, Uint32
 
 from flintgen.device import ptx
 from flintgen.device.attn_ptx import selp_f32
-
-SLICE = 16   # tokens per slice (the mma's M)
+from flintgen.layout import HEAD_TILE, SLICE_TOKENS
 
 
 @cute.jit
@@ -49,20 +49,20 @@ def _load_q_head(qf, row, t, base: cutlass.Constexpr, D: cutlass.Constexpr):
 @cute.jit
 def load_q(qf, q_row, head_bytes, g, t, D: cutlass.Constexpr, GQA: cutlass.Constexpr):
     """Every head tile of one kv head: tile ``tl`` of ``qf`` (D / 8 words from
-    ``tl * D / 8``) <- q head ``8 tl + g``, dims ``32 i + 8 t .. +7``
+    ``tl * D / 8``) <- q head ``HEAD_TILE tl + g``, dims ``32 i + 8 t .. +7``
     (``q_row``: byte address of head g; ``head_bytes``: bytes between heads).
-    Coherent loads: q is written by the previous kernel. With GQA < 8 the
-    lanes of padded heads (g >= GQA) hold zeros and load nothing: the row
+    Coherent loads: q is written by the previous kernel. With GQA < HEAD_TILE
+    the lanes of padded heads (g >= GQA) hold zeros and load nothing: the row
     past the kv head's last q head may lie past the end of q."""
-    if cutlass.const_expr(GQA < 8):
+    if cutlass.const_expr(GQA < HEAD_TILE):
         for k in cutlass.range_constexpr(D // 8):
             qf[k] = Uint32(0)
         if g < GQA:
             _load_q_head(qf, q_row, t, 0, D)
     else:
         _load_q_head(qf, q_row, t, 0, D)
-        for tl in cutlass.range_constexpr(1, GQA // 8):
-            _load_q_head(qf, q_row + Int64(8 * tl) * head_bytes, t, tl * (D // 8), D)
+        for tl in cutlass.range_constexpr(1, GQA // HEAD_TILE):
+            _load_q_head(qf, q_row + Int64(HEAD_TILE * tl) * head_bytes, t, tl * (D // 8), D)
 
 
 @cute.jit
@@ -90,7 +90,7 @@ def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, 
         else:
             sb = ptx.mma_bf16_16816(sb, a, qf[QO + 4 * i + 2 * h], qf[QO + 4 * i + 2 * h + 1])
     ninf = ptx.neg_inf()
-    pos = slc * SLICE + g
+    pos = slc * SLICE_TOKENS + g
     ok_lo = Int32((pos >= start_tok) & (pos < seq_len))
     ok_hi = Int32((pos + 8 >= start_tok) & (pos + 8 < seq_len))
     s0 = selp_f32(sa[0] + sb[0], ninf, ok_lo)

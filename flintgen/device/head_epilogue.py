@@ -13,7 +13,9 @@ memory, gathered from the cluster through DSMEM). Warp ``w`` finishes tokens
 
 ``slot(n)`` is ``slot_mapping[n]`` for ``n < len(slot_mapping)``, else -1; a
 negative slot writes nothing. Cache views are ``[blocks, block_size, kv_heads,
-D]`` with runtime strides (element units, last stride 1).
+D]`` with runtime strides (element units, last stride 1) of bf16 elements
+(``KV_EB`` bytes, flintgen/layout.py): k and v rows are stored as the bf16
+words they are computed in.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from cutlass import Float32, Int32, Int64
 
 from flintgen.device import ldst, ptx, rope
 from flintgen.device.reduce import warp_sum
+from flintgen.layout import kv_dtype
+
+KV_EB = kv_dtype("bf16").elem_bytes  # bytes per cache element: the rows below are bf16 words
 
 
 def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_slots, *,
@@ -59,7 +64,7 @@ def cache_addr(cache: cute.Tensor, slot: Int64, kv_head: Int32, d: Int32, block_
         blk = slot // Int64(block_size)
         off = slot - blk * Int64(block_size)
         addr = cache.iterator.toint() + (
-            blk * stride_block + off * stride_token + Int64(kv_head) * stride_head + Int64(d)) * 2
+            blk * stride_block + off * stride_token + Int64(kv_head) * stride_head + Int64(d)) * KV_EB
     return addr
 
 

@@ -4,18 +4,20 @@ Provenance: the hand-written Flint decode kernel (shared/seeds/000_*.txt),
 ``issue`` and ``load_page``, split out as free functions and generalized over
 head_dim ``D`` (64, 128) and the cache page size (16, 32, 64 tokens).
 
-Cache layout (HND, bf16), ``PAGE`` tokens per block::
+Cache layout (HND, bf16: ``EB`` = 2 bytes per element; the numbers and
+shapes live in flintgen/layout.py), ``PAGE`` tokens per block::
 
     kv[block, kv_head, token, 0:D]     K
     kv[block, kv_head, token, D:2D]    V
 
-The streaming unit is a *slice* of 16 tokens (the mma's M): 16 x 4D bytes,
-8 KB at D = 128, 4 KB at D = 64. One (block, kv head) page is PAGE x 2D
-contiguous elements, so a page of 32 or 64 tokens is 2 or 4 consecutive
-slices: slice ``s`` of a sequence lives in block ``block_tables[s // SPP]``
-at byte offset ``(s % SPP) * slice_bytes`` (SPP = PAGE // 16). One 1-D bulk
-copy (TMA) moves a slice into a ring slot whose bytes keep that layout:
-``slot + token * 4D + dim * 2`` (K), ``slot + 2D + token * 4D + dim * 2`` (V).
+The streaming unit is a *slice* of SLICE_TOKENS = 16 tokens (the mma's M):
+16 x 2D x EB bytes, 8 KB at D = 128, 4 KB at D = 64. One (block, kv head)
+page is PAGE x 2D contiguous elements, so a page of 32 or 64 tokens is 2 or
+4 consecutive slices: slice ``s`` of a sequence lives in block
+``block_tables[s // SPP]`` at byte offset ``(s % SPP) * slice_bytes``
+(SPP = PAGE // 16). One 1-D bulk copy (TMA) moves a slice into a ring slot
+whose bytes keep that layout: ``slot + token * 2D EB + dim * EB`` (K),
+``slot + D EB + token * 2D EB + dim * EB`` (V).
 
 Lane ``(g, t) = (lane // 4, lane % 4)`` fragments after ``load_page``
 (D / 2 x u32 = D bf16 per lane; KO = D / 8, VO = D / 4, VR = D / 16)::
@@ -36,23 +38,11 @@ from cutlass import Int32, Int64, Uint32
 
 from flintgen.device import ptx
 from flintgen.device.attn_ptx import selp_u32
+from flintgen.layout import SLICE_TOKENS, kv_dtype
 
-SLICE = 16                         # tokens per streamed slice (mma M)
-
-
-def row_bytes(head_dim: int) -> int:
-    """Bytes of one token's K | V row (bf16)."""
-    return 4 * head_dim
-
-
-def slice_bytes(head_dim: int) -> int:
-    """Bytes of one 16-token slice: 8 KB at D = 128, 4 KB at D = 64."""
-    return SLICE * row_bytes(head_dim)
-
-
-def frag_words(head_dim: int) -> int:
-    """Uint32 fragment registers per lane for one slice (K and V): D / 2."""
-    return head_dim // 2
+# The fragments below are bf16 pairs (one u32 = 2 elements): this module's
+# math is the bf16 cache's. Another KV dtype brings its own ``load_page``.
+EB = kv_dtype("bf16").elem_bytes
 
 
 @cute.jit
@@ -109,24 +99,24 @@ def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
     0 * V into NaN in P V. Masked K rows need nothing: their scores are
     replaced by -inf.
     """
-    ROW = 4 * D
+    ROW = 2 * D * EB    # one token's K | V row
     KO = D // 8
     VO = D // 4
     VR = D // 16
     for r in cutlass.range_constexpr(2):
         for i in cutlass.range_constexpr(D // 32):
-            w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW + (32 * i + 8 * t) * 2)
+            w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW + (32 * i + 8 * t) * EB)
             for j in cutlass.range_constexpr(4):
                 frag[KO * r + 4 * i + j] = w[j]
-    vbase = slot + D * 2
+    vbase = slot + D * EB
     for r in cutlass.range_constexpr(4):
         tok = 2 * t + (r % 2) + 8 * (r // 2)
         for h in cutlass.range_constexpr(D // 64):
-            w = ptx.lds_u32x4(vbase + tok * ROW + (64 * h + 8 * g) * 2)
+            w = ptx.lds_u32x4(vbase + tok * ROW + (64 * h + 8 * g) * EB)
             for j in cutlass.range_constexpr(4):
                 frag[VO + VR * r + 4 * h + j] = w[j]
-    p0 = slc * SLICE
-    if (p0 < start_tok) | (p0 + SLICE > seq_len):
+    p0 = slc * SLICE_TOKENS
+    if (p0 < start_tok) | (p0 + SLICE_TOKENS > seq_len):
         zero = Uint32(0)
         for r in cutlass.range_constexpr(4):
             pos = p0 + 2 * t + (r % 2) + 8 * (r // 2)

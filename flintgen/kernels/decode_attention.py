@@ -29,6 +29,7 @@ import math
 import threading
 from typing import Any, Mapping
 
+from flintgen import layout
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
 from flintgen.knobs import knobs
@@ -80,7 +81,8 @@ class DecodeAttentionDef(KernelDef):
     )
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
-        dac.check_supported(head_dim=spec.head_dim, gqa=_gqa(spec), page_size=spec.page_size)
+        dac.check_supported(head_dim=spec.head_dim, gqa=_gqa(spec), page_size=spec.page_size,
+                            kv_dtype=spec.kv_cache_dtype)
         out: list[Variant] = []
         for sliding in _layer_kinds(spec):
             for cfg in dict.fromkeys(_configs(spec, target, sliding).values()):
@@ -91,15 +93,20 @@ class DecodeAttentionDef(KernelDef):
 
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
         p = dict(variant.params)
-        cfg = dac.DecodeAttentionConfig(
-            p["num_splits"], p["num_warps"], p["num_stages"], p["min_pages"], p["cluster"], p["ctas_per_sm"],
-            p["head_dim"], p["gqa"], p["merge_ctas"], p["merge_from"],
-        )
+        cfg = dac.DecodeAttentionConfig(**{k: p[k] for k in (
+            "num_splits", "num_warps", "num_stages", "min_pages", "cluster", "ctas_per_sm", "head_dim", "gqa",
+            "merge_ctas", "merge_from")})
         pad = 0
         if cfg.ctas_per_sm:
             pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
         p["pad_bytes"] = pad
         p["merge_dims"] = cfg.merge_dims
+        lay = cfg.layout
+        p.update(slice_tokens=layout.SLICE_TOKENS, slices_per_page=lay.slices_per_page(p["page_size"]),
+                 kv_type=layout.kv_dtype(lay.kv_dtype).cutlass_type, kv_elem_bytes=lay.kv_elem_bytes,
+                 q_elem_bytes=layout.Q_ELEM_BYTES,
+                 slice_bytes=lay.slice_bytes, head_tile=lay.tile, num_tiles=lay.num_tiles,
+                 tile_rows=lay.tile_rows)
         return p
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "DecodeAttentionOp":
@@ -160,6 +167,7 @@ class DecodeAttentionOp:
         self.gqa = _gqa(spec)
         self.head_dim = spec.head_dim
         self.page = spec.page_size
+        self.layout = layout.AttentionLayout(head_dim=spec.head_dim, gqa=self.gqa, kv_dtype=spec.kv_cache_dtype)
         self._configs = {s: _configs(spec, target, s) for s in _layer_kinds(spec)}
         self._variants = {s: {b: _variant(spec, s, c) for b, c in cfgs.items()}
                           for s, cfgs in self._configs.items()}  # fmt: skip
@@ -203,17 +211,18 @@ class DecodeAttentionOp:
         if tuple(out.shape) != (batch, hq, d):
             raise ValueError(f"out must have shape {(batch, hq, d)} like q, got {tuple(out.shape)}")
         _check_rows("out", out)
-        _typed("kv_cache", kv_cache, torch.bfloat16)
+        _typed("kv_cache", kv_cache, getattr(torch, layout.kv_dtype(self.layout.kv_dtype).torch_dtype))
         if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (hkv, page, 2 * d):
             raise ValueError(
                 f"kv_cache must be the HND cache [num_blocks, {hkv}, {page}, {2 * d}] (kv heads, page size, "
                 f"K | V of head_dim {d}), got {tuple(kv_cache.shape)}"
             )
         st = kv_cache.stride()
-        if st[3] != 1 or st[2] != 2 * d or st[1] % 8 or st[0] % 8:
+        align = 16 // self.layout.kv_elem_bytes  # elements in 16 bytes
+        if st[3] != 1 or st[2] != 2 * d or st[1] % align or st[0] % align:
             raise ValueError(
                 f"kv_cache strides {st} are not supported: each (block, kv head) page must be contiguous "
-                f"(strides [.., .., {2 * d}, 1]) with block and head strides multiples of 8 elements "
+                f"(strides [.., .., {2 * d}, 1]) with block and head strides multiples of {align} elements "
                 "(16 bytes, for bulk copies); pass the cache tensor itself, not a permuted view"
             )
         _typed("block_tables", block_tables, torch.int32)
@@ -251,7 +260,7 @@ class DecodeAttentionOp:
             if t.device != dev:
                 raise ValueError(f"{name} is on {t.device} but q is on {dev}: put every input on one device")
         for name, t in tensors:
-            align = 16 if t.dtype == torch.bfloat16 else 4
+            align = 16 if name in ("q", "out", "kv_cache") else 4  # 16: bulk copies / vector loads
             if t.numel() and t.data_ptr() % align:
                 raise ValueError(f"{name} must be {align}-byte aligned (data_ptr % {align} = "
                                  f"{t.data_ptr() % align}): pass a fresh allocation or .clone() it")
@@ -292,7 +301,7 @@ class DecodeAttentionOp:
                                        "(or flintgen.warmup(spec)) before capturing")
                 n = max(self._max_partials, 1)
                 # Partials cover the padded head tiles (GQA 4 computes 8 heads).
-                g, d = dac.tile_heads(self.gqa), self.head_dim
+                g, d = self.layout.tile_rows, self.head_dim
                 ws = _Workspace(
                     torch.empty(n * g * d, dtype=torch.float32, device=device),
                     torch.empty(n * 2 * g, dtype=torch.float32, device=device),

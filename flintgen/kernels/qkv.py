@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from flintgen import layout
 from flintgen.configs.qkv_config import QKVConfig
 from flintgen.kernels import checks
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
@@ -86,6 +87,7 @@ class QKVDef(KernelDef):
         if missing:
             raise ValueError(f"qkv variant {variant.name} lacks parameters {missing}")
         n_rows = (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"]
+        kv = layout.kv_dtype("bf16")  # the epilogue writes the bf16 rows it computes (head_epilogue)
         return {
             "hidden": p["hidden"], "q_heads": p["q_heads"], "kv_heads": p["kv_heads"],
             "head_dim": p["head_dim"], "n_rows": n_rows, "weight_format": p["weight_format"],
@@ -94,6 +96,7 @@ class QKVDef(KernelDef):
             "cluster": p["cluster"], "warps": p["warps"], "prefetch": p["prefetch"],
             "early_dequant": p["early_dequant"],
             "scale_rows": _roundup(n_rows, 128), "scale_cols": _roundup(p["hidden"] // 16, 4),
+            "kv_type": kv.cutlass_type, "kv_elem_bytes": kv.elem_bytes,
         }
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "QKVOp":
@@ -272,17 +275,19 @@ class QKVOp:
         import torch
 
         kv, d = self.kv_heads, self.head_dim
+        elem = layout.kv_dtype(self.spec.kv_cache_dtype)
+        dtype, align = getattr(torch, elem.torch_dtype), 16 // elem.elem_bytes
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(c, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
-            if c.dtype != torch.bfloat16:
-                raise TypeError(f"{name} must be torch.bfloat16 (spec kv_cache_dtype 'bf16'), got {c.dtype}")
+            if c.dtype != dtype:
+                raise TypeError(f"{name} must be {dtype} (spec kv_cache_dtype {elem.name!r}), got {c.dtype}")
             if c.dim() != 4 or c.shape[2] != kv or c.shape[3] != d:
                 raise ValueError(f"{name} must be a [blocks, block_size, {kv}, {d}] view "
                                  f"(kv_heads per rank, head_dim), got shape {tuple(c.shape)}")
-            if c.stride(3) != 1 or any(s % 8 for s in c.stride()[:3]):
+            if c.stride(3) != 1 or any(s % align for s in c.stride()[:3]):
                 raise ValueError(f"{name} strides {c.stride()} are not supported: the last must be 1 and "
-                                 "the others multiples of 8 elements (16 bytes)")
+                                 f"the others multiples of {align} elements (16 bytes)")
             if c.data_ptr() % 16:
                 raise ValueError(f"{name} must start 16-byte aligned")
         if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.stride() != v_cache.stride():
