@@ -33,6 +33,9 @@ from decode_attention_cases import Case, lens_for, record, refill
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
 SHAPES = [(g, d, p) for g in (4, 8, 16) for d in (64, 128) for p in (16, 32, 64)]
+# Every other GQA ratio of real models (MHA 1; Qwen3 / Gemma 2; Llama-3.2-3B 3; Qwen2.5 5 / 6 / 7; GLM-4.5
+# 12): one or two head tiles, partly padded, at both head dims.
+SHAPES += [(g, d, 16) for g in (1, 2, 3, 5, 6, 7, 12) for d in (64, 128)]
 # gpt-oss-20b's attention shape (other fields are Flint's: decode attention
 # reads only heads, head_dim, page size, sinks and the layer kinds).
 GPT_OSS = FLINT.replace(name="gpt-oss-20b", hidden_size=2880, num_q_heads=64, num_kv_heads=8, head_dim=64,
@@ -186,8 +189,8 @@ def test_rendered_source_follows_the_shape(gqa, head_dim, page):
         # Code paths branch (cutlass.const_expr) on the layout's constants.
         consts = {ln.split("#")[0].strip() for ln in src.splitlines()}
         assert f"SLICES_PER_PAGE = {page // 16}" in consts
-        assert f"NUM_TILES = {2 if gqa == 16 else 1}" in consts
-        assert f"TILE_HEADS = {16 if gqa == 16 else 8}" in consts
+        assert f"NUM_TILES = {2 if gqa > 8 else 1}" in consts
+        assert f"TILE_HEADS = {16 if gqa > 8 else 8}" in consts
         assert f"SLICE_BYTES = {64 * head_dim}" in consts   # 16 tokens x (K | V) x head_dim x 2 bytes
         if v["ctas_per_sm"]:
             ring = v["num_warps"] * v["num_stages"] * AttentionLayout(head_dim=head_dim, gqa=gqa).slice_bytes
@@ -300,6 +303,10 @@ EMULATED = [
     (4, 128, 32, False, [(128, [145, 31, 0]), (None, [600])]),     # padded tile: cluster 8; 8-warp splits
     (16, 64, 64, True, [(128, [193]), (None, [600] + [0] * 16)]),  # two tiles: cluster 8; 6-stage ring, 2 splits
     (16, 128, 16, True, [(128, [150] + [0] * 64)]),                # two tiles, one split per pair
+    (1, 128, 16, True, [(128, [145, 0]), (None, [600, 1])]),       # MHA: 7 padded heads of 8
+    (3, 64, 16, False, [(128, [130, 17]), (None, [700])]),         # odd ratio, one tile
+    (6, 128, 64, True, [(None, [600, 33, 0])]),                    # one tile, 2 padded, pages of 64
+    (12, 64, 32, True, [(128, [193]), (None, [600] + [0] * 16)]),  # two tiles, 4 padded heads in the second
 ]
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from flintgen.layout import HEAD_TILE, SLICE_TOKENS, AttentionLayout
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_GQA = (4, 8, 16)
+SUPPORTED_GQA = tuple(range(1, 17))   # q heads per kv head per rank: one or two tiles of 8
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
 SUPPORTED_KV_DTYPES = ("bf16",)        # the device math's fragments are bf16 pairs
 
@@ -181,7 +181,8 @@ def check_supported(*, head_dim: int, gqa: int, page_size: int, kv_dtype: str = 
     for name, value, ok, why in (
         ("head_dim", head_dim, SUPPORTED_HEAD_DIMS, "the mma fragment layouts cover 64 and 128 dims"),
         ("GQA (q heads per kv head per rank)", gqa, SUPPORTED_GQA,
-         f"q heads are the mma's {HEAD_TILE} columns: GQA 4 pads one tile, 16 runs two"),
+         f"q heads are the mma's {HEAD_TILE} columns: up to 8 fill one tile, 9-16 two, padded; more "
+         "needs a third tile (split the kv heads over more ranks)"),
         ("page_size", page_size, SUPPORTED_PAGE_SIZES, f"pages are streamed as {SLICE_TOKENS}-token slices"),
         ("kv_cache_dtype", kv_dtype, SUPPORTED_KV_DTYPES, "the mma fragments are built from bf16 K / V pairs"),
     ):

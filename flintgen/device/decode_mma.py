@@ -51,18 +51,20 @@ def load_q(qf, q_row, head_bytes, g, t, D: cutlass.Constexpr, GQA: cutlass.Const
     """Every head tile of one kv head: tile ``tl`` of ``qf`` (D / 8 words from
     ``tl * D / 8``) <- q head ``HEAD_TILE tl + g``, dims ``32 i + 8 t .. +7``
     (``q_row``: byte address of head g; ``head_bytes``: bytes between heads).
-    Coherent loads: q is written by the previous kernel. With GQA < HEAD_TILE
-    the lanes of padded heads (g >= GQA) hold zeros and load nothing: the row
-    past the kv head's last q head may lie past the end of q."""
-    if cutlass.const_expr(GQA < HEAD_TILE):
-        for k in cutlass.range_constexpr(D // 8):
-            qf[k] = Uint32(0)
-        if g < GQA:
-            _load_q_head(qf, q_row, t, 0, D)
-    else:
-        _load_q_head(qf, q_row, t, 0, D)
-        for tl in cutlass.range_constexpr(1, GQA // HEAD_TILE):
-            _load_q_head(qf, q_row + Int64(HEAD_TILE * tl) * head_bytes, t, tl * (D // 8), D)
+    Coherent loads: q is written by the previous kernel. In a tile that GQA
+    does not fill (GQA 3: heads 3..7 of tile 0; GQA 12: heads 12..15 of tile 1)
+    the lanes of padded heads hold zeros and load nothing: the row past the kv
+    head's last q head may lie past the end of q."""
+    for tl in cutlass.range_constexpr(-(-GQA // HEAD_TILE)):
+        real = GQA - HEAD_TILE * tl  # heads of this tile that exist
+        head = q_row + Int64(HEAD_TILE * tl) * head_bytes
+        if cutlass.const_expr(real >= HEAD_TILE):
+            _load_q_head(qf, head, t, tl * (D // 8), D)
+        else:
+            for k in cutlass.range_constexpr(D // 8):
+                qf[tl * (D // 8) + k] = Uint32(0)
+            if g < real:
+                _load_q_head(qf, head, t, tl * (D // 8), D)
 
 
 @cute.jit

@@ -70,7 +70,7 @@ class DecodeAttentionDef(KernelDef):
     name = "decode_attention"
     template = "decode_attention.py.j2"
     description = ("split-KV paged decode attention with sinks and sliding window "
-                   "(GQA 4/8/16, head_dim 64/128, page 16/32/64)")
+                   "(GQA 1-16, head_dim 64/128, page 16/32/64)")
     required_ptx = (
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
         "mbarrier.try_wait.parity",
@@ -130,7 +130,7 @@ class DecodeAttentionOp:
     Paged decode attention with sinks, one query token per request, on the
     current CUDA stream with programmatic dependent launch. Shapes (B requests,
     Hq = spec q heads per rank, Hkv = spec kv heads per rank, Hq / Hkv in
-    {4, 8, 16}, D = head_dim in {64, 128}, P = page_size in {16, 32, 64}):
+    1..16, D = head_dim in {64, 128}, P = page_size in {16, 32, 64}):
 
     * ``q``: [B, Hq, D] bf16; last dim contiguous, row strides multiples of 8
       elements, 16-byte aligned (a view into a fused qkv output is fine).

@@ -1,0 +1,39 @@
+"""Small decode-attention launches for compute-sanitizer (one process per tool).
+
+    compute-sanitizer --tool memcheck python tools/sanitize_decode.py 3:128:16 12:64:32 ...
+
+Each argument is ``gqa:head_dim:page``; every one runs its windowed (128) and
+full-attention launch at batch 1 (global split partials merged, several
+splits) and batch 3 (cluster or few splits), with seq_lens 0, 1 and slice /
+page / window edges, and checks each output against the fp64 reference
+(tests/decode_attention_cases.py). Sizes are kept small: racecheck slows a
+launch down by orders of magnitude.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+import flintgen  # noqa: E402
+from decode_attention_cases import Case  # noqa: E402
+from flintgen.presets import FLINT  # noqa: E402
+
+
+def main(shapes):
+    for arg in shapes:
+        gqa, d, page = (int(x) for x in arg.split(":"))
+        spec = FLINT.replace(name=f"san-g{gqa}-d{d}-p{page}", num_q_heads=2 * gqa, num_kv_heads=2, head_dim=d,
+                             page_size=page, max_batch=4)
+        op = flintgen.get_kernel(spec, "decode_attention")
+        for window in (128, None):
+            for lens in ([700], [0, 1, page + 1], [129, 17, 2 * page]):
+                case = Case(spec, lens, window, seed=len(lens) + gqa)
+                out = case.poisoned_out()
+                op(*case.args(out))
+                case.check(out, f"{spec.name} window={window} lens={lens}")
+    print("sanitize_decode: all outputs match the reference")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
