@@ -8,7 +8,6 @@ the fix.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -31,32 +30,20 @@ def _bool(name: str) -> bool:
                      f"set {name}=1 or {name}=0 (or unset it)")
 
 
-def _int(name: str, lo: int, hi: int, example: int) -> int | None:
+def _ranged(name: str, conv, lo, hi, what: str, example):
+    """``conv`` of the variable's value when it lies in ``lo..hi`` (NaN and inf
+    do not), None when unset; ValueError naming the variable otherwise."""
     v = _raw(name)
     if v is None:
         return None
     try:
-        n = int(v)
+        x = conv(v)
     except ValueError:
-        n = None
-    if n is None or not lo <= n <= hi:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer in {lo}..{hi}: "
-                         f"set e.g. {name}={example} (or unset it)")
-    return n
-
-
-def _seconds(name: str, default: float, hi: float) -> float:
-    v = _raw(name)
-    if v is None:
-        return default
-    try:
-        s = float(v)
-    except ValueError:
-        s = math.nan
-    if not (math.isfinite(s) and 0 <= s <= hi):
-        raise ValueError(f"environment variable {name}={v!r} is not a number of seconds in 0..{hi:g}: "
-                         f"set e.g. {name}={default:g} (or unset it)")
-    return s
+        x = None
+    if x is None or not lo <= x <= hi:
+        raise ValueError(f"environment variable {name}={v!r} is not {what} in {lo:g}..{hi:g}: "
+                         f"set e.g. {name}={example:g} (or unset it)")
+    return x
 
 
 @dataclass(frozen=True)
@@ -100,7 +87,7 @@ class _Knobs:
 
     @property
     def num_sms(self) -> int | None:
-        return _int("FLINTGEN_NUM_SMS", 1, MAX_NUM_SMS, 132)
+        return _ranged("FLINTGEN_NUM_SMS", int, 1, MAX_NUM_SMS, "an integer", 132)
 
     @property
     def runtime_lib(self) -> str | None:
@@ -112,7 +99,8 @@ class _Knobs:
 
     @property
     def lock_timeout(self) -> float:
-        return _seconds("FLINTGEN_LOCK_TIMEOUT", 600.0, MAX_LOCK_TIMEOUT)
+        t = _ranged("FLINTGEN_LOCK_TIMEOUT", float, 0, MAX_LOCK_TIMEOUT, "a number of seconds", 600)
+        return 600.0 if t is None else t
 
 
 knobs = _Knobs()
