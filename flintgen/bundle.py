@@ -16,7 +16,7 @@ installed flintgen would look up) and the sha256 and size of every member.
 outside the layout), anything but regular files (symlinks, hard links,
 devices), duplicate members, a truncated or corrupt archive, a member whose
 sha256 or size differs from the manifest, an entry whose meta.json does not
-match its place (``cache.check_place``) or that ``cache.verify_dir`` (the
+match its place (``cache.check_place``) or that ``cache.check_dir`` (the
 check of ``flintgen cache verify``) rejects, more than ``max_members`` members
 or ``max_bytes`` uncompressed bytes, a bundle for another SM count than the
 local GPU's and one none of whose entries this flintgen would use. Entries
@@ -62,7 +62,7 @@ from flintgen.spec import Spec
 BUNDLE_FORMAT = 1
 MANIFEST = "manifest.json"
 #: The files of an entry, in archive order (meta.json, the commit marker, last).
-ENTRY_FILES = ("module.py", "kernel.ptx", "kernel.so", "meta.json")
+ENTRY_FILES = cache.ENTRY_FILES
 #: Refusal limits (``unpack``'s ``max_members`` / ``max_bytes`` defaults). A
 #: full spec is a few dozen entries of a few MiB each.
 MAX_MEMBERS = 20_000
@@ -111,11 +111,6 @@ def _sha256_stream(f) -> str:
     for chunk in iter(lambda: f.read(_CHUNK), b""):
         h.update(chunk)
     return h.hexdigest()
-
-
-def _sha256_path(path: str) -> str:
-    with open(path, "rb") as f:
-        return _sha256_stream(f)
 
 
 def can_load() -> tuple[bool, str]:
@@ -193,7 +188,7 @@ def pack(spec: Spec | Iterable[Spec], target: Target, out_path: str, root: str |
                 dsls.append(meta.get("dsl"))
             for name in ENTRY_FILES:
                 p = os.path.join(snap, rel, name)
-                members[f"{rel}/{name}"] = {"sha256": _sha256_path(p), "size": os.path.getsize(p)}
+                members[f"{rel}/{name}"] = {"sha256": cache._sha256_file(p), "size": os.path.getsize(p)}
             if any(members[f"{rel}/{n}"]["sha256"] != (meta.get("files") or {}).get(n)
                    for n in cache.HASHED_FILES):
                 raise ValueError(f"kernel {e.variant.name} changed while it was packed: run pack again")
@@ -230,7 +225,7 @@ def pack(spec: Spec | Iterable[Spec], target: Target, out_path: str, root: str |
             raise
     finally:
         shutil.rmtree(snap, ignore_errors=True)
-    return PackReport(out_path, _sha256_path(out_path), len(listed), built, len(members) + 1,
+    return PackReport(out_path, cache._sha256_file(out_path), len(listed), built, len(members) + 1,
                       len(data) + sum(m["size"] for m in members.values()))
 
 
@@ -423,15 +418,6 @@ def _write_member(reader: _Reader, m: tarfile.TarInfo, dest: str, want: dict) ->
                                    f"{want['sha256']}: the archive is corrupt", "copy it again or " + _REBUILD)
 
 
-def _read_meta(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
 def _publish(staged: str, final: str) -> None:
     """Move a verified entry into place (its lock held): a reader sees no entry
     or a complete one."""
@@ -540,7 +526,7 @@ def _unpack(path, digest, tf, root, load, note, max_members, max_bytes) -> Unpac
 
         for ent in mf["entries"]:
             staged, final = os.path.join(stage, ent["dir"]), os.path.join(root, ent["dir"])
-            meta = _read_meta(os.path.join(staged, "meta.json"))
+            meta = cache.read_meta_file(staged)
             if meta is None:
                 raise _refuse(path, f"entry {ent['dir']}: meta.json is not a JSON object")
             problem = cache.check_place(final, meta)
@@ -548,7 +534,7 @@ def _unpack(path, digest, tf, root, load, note, max_members, max_bytes) -> Unpac
                 problem = f"meta.json key {meta.get('key')} is not the manifest's {ent['key']}"
             if problem:
                 raise _refuse(path, f"entry {ent['dir']} does not match its place: {problem}")
-            problem = cache.verify_dir(staged, meta, load=load)
+            problem = cache.check_dir(staged, load=load)
             if problem:
                 raise _refuse(path, f"entry {ent['dir']} fails verification: {problem}")
 
@@ -558,9 +544,7 @@ def _unpack(path, digest, tf, root, load, note, max_members, max_bytes) -> Unpac
             staged, final = os.path.join(stage, ent["dir"]), os.path.join(root, ent["dir"])
             lock = _locked(final, f"entry {ent['dir']}")
             try:
-                present = _read_meta(os.path.join(final, "meta.json"))
-                if present is not None and present.get("key") == ent["key"] \
-                        and cache.verify_dir(final, present, load=False) is None:
+                if cache.check_dir(final, expected_key=ent["key"]) is None:
                     report.skipped.append(ent["dir"])
                     continue
                 _publish(staged, final)

@@ -32,7 +32,8 @@ build. An unwritable cache still yields a working kernel, with a warning
 (``fallback=False``, used by ``flintgen build``, raises instead).
 
 One check, ``check_dir``, decides whether an entry is usable: the runtime
-(``check_entry``), ``flintgen cache verify`` and bundle unpacking all call it.
+(``check_entry``), ``flintgen cache verify`` (with ``load=True``) and bundle
+unpacking all call it.
 ``clean`` removes only directories it can prove are entries, each under its
 lock, so a concurrent build survives it.
 """
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import ast
 import datetime
-import errno
 import functools
 import hashlib
 import json
@@ -128,10 +128,12 @@ def _module_file(name: str) -> str | None:
     return None
 
 
-def _imports(source: str, package: str = "") -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _imports(source: str, package: str = "") -> frozenset[str]:
     """The flintgen modules ``source`` imports (parsed, so every import form
     counts: ``from flintgen.device import (a, b)``, ``import flintgen.x as y``,
-    relative imports inside ``package``)."""
+    relative imports inside ``package``). Memoized by content: every variant's
+    key walks the same helper modules."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -146,7 +148,7 @@ def _imports(source: str, package: str = "") -> set[str]:
             for a in node.names:  # a submodule when one exists, else a name in ``mod``
                 sub = f"{mod}.{a.name}"
                 out.add(sub if _module_file(sub) else mod)
-    return out
+    return frozenset(out)
 
 
 def _read_module(name: str) -> bytes:
@@ -155,11 +157,6 @@ def _read_module(name: str) -> bytes:
         raise ValueError(f"generated source imports {name}, which does not exist in flintgen")
     with open(path, "rb") as f:
         return f.read()
-
-
-def _device_deps(source: str) -> set[str]:
-    """Short names of the flintgen.device modules ``source`` imports (directly)."""
-    return {m.rsplit(".", 1)[1] for m in _imports(source) if m.startswith("flintgen.device.")}
 
 
 def helpers_hash(source: str) -> str:
@@ -376,11 +373,6 @@ def check_dir(d: str, expected_key: str | None = None, load: bool = False) -> Pr
 def check_entry(entry: Entry) -> Problem | None:
     """Why ``entry`` is not usable, or None when it is (no loading)."""
     return check_dir(entry.dir, expected_key=entry.key)
-
-
-def verify_dir(d: str, meta: dict | None = None, load: bool = True) -> Problem | None:
-    """``flintgen cache verify``'s check of one entry (``meta`` is re-read)."""
-    return check_dir(d, load=load)
 
 
 def load_library(so_path: str, function_name: str):
@@ -608,12 +600,17 @@ def check_root_usable(root: str) -> None:
 
 
 # ------------------------------------------------------------------ inspection
+def _is_work_file(name: str) -> bool:
+    """A file a writer leaves only when killed (or bytecode an old flintgen let Python write)."""
+    return name.startswith(WORK_PREFIXES) or name == "__pycache__"
+
+
 def _known_contents(d: str) -> bool:
     try:
         names = os.listdir(d)
     except OSError:
         return False
-    return all(n in ENTRY_FILES or n.startswith(WORK_PREFIXES) or n == "__pycache__" for n in names)
+    return all(n in ENTRY_FILES or _is_work_file(n) for n in names)
 
 
 def entry_dirs(root: str) -> list[str]:
@@ -658,7 +655,7 @@ def list_entries(root: str | None = None) -> list[tuple[str, dict | None]]:
 def work_files(d: str) -> list[str]:
     """Leftover work files of a killed writer inside entry ``d``."""
     try:
-        return sorted(os.path.join(d, n) for n in os.listdir(d) if n.startswith(WORK_PREFIXES) or n == "__pycache__")
+        return sorted(os.path.join(d, n) for n in os.listdir(d) if _is_work_file(n))
     except OSError:
         return []
 
@@ -726,8 +723,9 @@ def clean(root: str | None = None, *, stale: bool = False, other_toolchains: boo
             report.failed.append((d, f"cannot take its lock: {e.strerror or e}"))
             continue
         try:
-            problem = check_dir(d) if stale else Problem("clean all")
-            if problem is None or (problem.other_toolchain and not other_toolchains):
+            problem = check_dir(d) if stale else None
+            keep = stale and (problem is None or (problem.other_toolchain and not other_toolchains))
+            if keep:
                 report.kept += 1
                 for w in work_files(d):
                     report.work_removed += _remove(w, report)

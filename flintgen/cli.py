@@ -132,6 +132,28 @@ def _spec_from_opts(o: dict, required: bool = False) -> Spec:
                       o.pop("page_size"), o.pop("weights"), o.pop("max_batch"))
 
 
+def _target_options(f):
+    f = click.option("--num-sms", type=click.IntRange(1, MAX_NUM_SMS), default=None,
+                     help="SM count. Default: the visible GPU's, else 132.")(f)
+    return click.option("--arch", default=None,
+                        help="Target arch (sm_90a). Default: the visible GPU's, else sm_90a.")(f)
+
+
+_kernel_option = click.option("--kernel", "kernels", multiple=True,
+                              help="Only these kernels (repeatable). Default: all.")
+
+
+def _no_gpu_notice(arch, num_sms, doing: str) -> None:
+    """Say so when the target is the CPU-machine default (sm_90a, 132 SMs)."""
+    if arch is None and num_sms is None and toolchain.gpu_target() is None and knobs.arch is None:
+        click.echo(f"no GPU visible: {doing} for sm_90a with 132 SMs (H100 SXM/H200); "
+                   "use --arch/--num-sms to choose", err=True)
+
+
+def _cache_root(cache_dir: str | None) -> str:
+    return os.path.abspath(cache_dir or cache.default_root())
+
+
 def _plan(spec: Spec, target, only=()) -> list[tuple[str, object]]:
     for name in only:
         get_def(name)  # unknown names fail early
@@ -194,24 +216,20 @@ def main(debug):
 
 @main.command()
 @_spec_options
-@click.option("--arch", default=None, help="Target arch (sm_90a). Default: the visible GPU's, else sm_90a.")
-@click.option("--num-sms", type=click.IntRange(1, MAX_NUM_SMS), default=None,
-              help="SM count. Default: the visible GPU's, else 132.")
+@_target_options
 @click.option("--jobs", "-j", type=click.IntRange(1, MAX_JOBS), default=1, show_default=True,
               help="Parallel compile processes.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root (default: FLINTGEN_CACHE_DIR, the checkout's cache/, or ~/.cache/flintgen).")
-@click.option("--kernel", "kernels", multiple=True, help="Only these kernels (repeatable). Default: all.")
+@_kernel_option
 def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
     """Render and compile every kernel and launch variant the spec needs."""
     spec = _spec_from_opts(spec_opts, required=True)
     target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
-    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
+    root = _cache_root(cache_dir)
     plan = _plan(spec, target, kernels)
     cache.check_root_usable(root)
-    if arch is None and num_sms is None and toolchain.gpu_target() is None and knobs.arch is None:
-        click.echo("no GPU visible: building for sm_90a with 132 SMs (H100 SXM/H200); "
-                   "use --arch/--num-sms to choose", err=True)
+    _no_gpu_notice(arch, num_sms, "building")
     click.echo(f"flintgen {__version__}: spec {spec.name} ({spec.spec_hash}), target {target.arch} "
                f"x {target.num_sms} SMs, cache {root}: {len(plan)} kernels")
     t0 = time.perf_counter()
@@ -235,8 +253,7 @@ def build(arch, num_sms, jobs, cache_dir, kernels, **spec_opts):
 
 @main.command(name="list")
 @_spec_options
-@click.option("--arch", default=None)
-@click.option("--num-sms", type=click.IntRange(1, MAX_NUM_SMS), default=None)
+@_target_options
 def list_(arch, num_sms, **spec_opts):
     """List the spec's kernels and their launch variants."""
     spec = _spec_from_opts(spec_opts)
@@ -254,8 +271,7 @@ def list_(arch, num_sms, **spec_opts):
 @_spec_options
 @click.option("--variant", "variant_index", type=int, default=0, show_default=True,
               help="Index of the variant in `flintgen list`.")
-@click.option("--arch", default=None)
-@click.option("--num-sms", type=click.IntRange(1, MAX_NUM_SMS), default=None)
+@_target_options
 def show(kernel, variant_index, arch, num_sms, **spec_opts):
     """Print the generated source of KERNEL for the spec."""
     from flintgen import codegen
@@ -308,7 +324,7 @@ def _mib(n: int) -> str:
 @_cache_dir_option
 def ls(cache_dir):
     """List cache entries, with sizes per target and in total."""
-    root = os.path.abspath(cache_dir or cache.default_root())
+    root = _cache_root(cache_dir)
     entries = cache.list_entries(root)
     click.echo(f"cache root: {root} ({len(entries)} entries)")
     per_target: dict[str, list[int]] = {}
@@ -339,7 +355,7 @@ def ls(cache_dir):
               help="With --stale: also entries built by another DSL or flintgen version.")
 def clean(cache_dir, yes, stale, other_toolchains):
     """Delete cache entries (all of them, or with --stale the unusable ones)."""
-    root = os.path.abspath(cache_dir or cache.default_root())
+    root = _cache_root(cache_dir)
     if other_toolchains and not stale:
         raise click.UsageError("--other-toolchains only applies with --stale")
     if not yes and not stale:
@@ -364,11 +380,11 @@ def clean(cache_dir, yes, stale, other_toolchains):
 def verify(cache_dir, no_load):
     """Check every entry with the runtime's check (key, place, file hashes, DSL
     version) and load it; exit 1 if any is bad."""
-    root = os.path.abspath(cache_dir or cache.default_root())
+    root = _cache_root(cache_dir)
     bad = 0
     entries = cache.list_entries(root)
     for d, _ in entries:
-        problem = cache.verify_dir(d, load=not no_load)
+        problem = cache.check_dir(d, load=not no_load)
         leftovers = cache.work_files(d)
         if problem or leftovers:
             bad += 1
@@ -382,11 +398,10 @@ def verify(cache_dir, no_load):
 
 @cache_group.command(name="pack")
 @_spec_options
-@click.option("--arch", default=None, help="Target arch (sm_90a). Default: the visible GPU's, else sm_90a.")
-@click.option("--num-sms", type=int, default=None, help="SM count. Default: the visible GPU's, else 132.")
+@_target_options
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Cache root to pack from (and build missing entries into).")
-@click.option("--kernel", "kernels", multiple=True, help="Only these kernels (repeatable). Default: all.")
+@_kernel_option
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Bundle file to write (.tar.gz; .tar.xz for xz).")
 def cache_pack(arch, num_sms, cache_dir, kernels, output, **spec_opts):
@@ -395,11 +410,9 @@ def cache_pack(arch, num_sms, cache_dir, kernels, output, **spec_opts):
     from flintgen import bundle
 
     spec = _spec_from_opts(spec_opts)
-    if arch is None and num_sms is None and toolchain.gpu_target() is None and not os.environ.get("FLINTGEN_ARCH"):
-        click.echo("no GPU visible: packing for sm_90a with 132 SMs (H100 SXM/H200); "
-                   "use --arch/--num-sms to choose", err=True)
+    _no_gpu_notice(arch, num_sms, "packing")
     target = toolchain.resolve_target(arch, num_sms, cpu_default=True)
-    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
+    root = _cache_root(cache_dir)
     rep = bundle.pack(spec, target, output, root, kernels)
     click.echo(f"packed {rep.entries} entries ({rep.built} built first) of spec {spec.name} ({spec.spec_hash}) "
                f"for {target.arch} x {target.num_sms} SMs: {rep.members} members, {rep.bytes // 1024} KiB "
@@ -418,7 +431,7 @@ def cache_unpack(bundle_file, sha256, cache_dir, load):
     """Verify a bundle and install its entries into the cache root."""
     from flintgen import bundle
 
-    root = os.path.abspath(cache_dir) if cache_dir else cache.default_root()
+    root = _cache_root(cache_dir)
     rep = bundle.unpack(bundle_file, root, sha256, load=load)
     click.echo(f"bundle {rep.path} (sha256 {rep.sha256}, flintgen {rep.bundle_flintgen}, {rep.target.arch} x "
                f"{rep.target.num_sms} SMs): {len(rep.installed)} installed, {len(rep.skipped)} already present, "

@@ -140,7 +140,7 @@ def test_pack_then_unpack_serves_without_jit(packed, fresh, monkeypatch):
     for e in planned:
         assert cache.check_entry(e) is None and cache.try_load(e) is not None
         assert cache.get_or_build(e).hit  # NO_JIT: a miss would raise
-        assert cache.verify_dir(e.dir, cache.read_meta(e)) is None
+        assert cache.check_dir(e.dir, load=True) is None
         assert oct(os.stat(e.dir).st_mode & 0o777) == "0o755"
     assert not [n for n in os.listdir(os.path.join(fresh.root, "sm_90a-132sm")) if n.startswith(".")]
 
@@ -172,7 +172,7 @@ def test_unpack_skips_present_and_repairs_broken(packed, fresh, monkeypatch):
     # Into an existing directory the files are replaced one by one, meta.json last each time.
     assert replaced == list(bundle.ENTRY_FILES) * 2
     for d in (broken, incomplete):
-        assert cache.verify_dir(d, json.load(open(os.path.join(d, "meta.json")))) is None
+        assert cache.check_dir(d, load=True) is None
 
 
 @pytest.mark.compile

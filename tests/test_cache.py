@@ -149,9 +149,9 @@ def test_verify_and_clean(tmp_path):
     cache.get_or_build(e)
     entries = cache.list_entries(str(tmp_path))
     assert [d for d, _ in entries] == [e.dir]
-    assert cache.verify_dir(e.dir, entries[0][1]) is None
+    assert cache.check_dir(e.dir, load=True) is None
     _replace(e.path("kernel.so"), open(e.path("kernel.so"), "rb").read() + b"x")
-    assert "sha256" in cache.verify_dir(e.dir, cache.read_meta(e))
+    assert "sha256" in cache.check_dir(e.dir, load=True)
     report = cache.clean(str(tmp_path))
     assert report.removed == 1 and report.bytes_freed > 0 and not report.failed
     assert cache.list_entries(str(tmp_path)) == []
@@ -167,7 +167,7 @@ def test_default_root(monkeypatch, tmp_path):
 
 def test_key_covers_imported_helpers_only(tmp_path, monkeypatch):
     e = _entry(tmp_path)
-    assert cache._device_deps(e.source) == {"ldst", "ptx", "reduce"}
+    assert cache._imports(e.source) == {"flintgen.device.ldst", "flintgen.device.ptx", "flintgen.device.reduce"}
     real = cache._read_module
 
     def edited(name, which):
