@@ -22,7 +22,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
 SUPPORTED_KV_DTYPES = ("bf16",)
 SUPPORTED_KV_LAYOUTS = ("HND",)

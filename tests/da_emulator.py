@@ -403,6 +403,10 @@ def _ptx(gmem):
     p.selp_u32 = lambda a, b, pred: int(a) if pred else int(b)
     p.lds_f32x4 = lambda addr: tuple(_smem_read(int(addr), np.float32, 4))
     p.sts_f32x2 = lambda addr, a, b: _smem_write(int(addr), np.float32, [a, b])
+    p.lds_u32x2 = lambda addr: tuple(int(x) for x in _smem_read(int(addr), np.uint32, 2))
+    p.lds_f32x2 = lambda addr: tuple(_smem_read(int(addr), np.float32, 2))
+    p.stg_f32x2 = lambda addr, a, b: gmem.write(int(addr), np.float32, [a, b])
+    p.st_cluster_f32x2 = lambda addr, a, b: _smem_write(int(addr), np.float32, [a, b])
     return p
 
 
@@ -565,7 +569,7 @@ def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_p
     need = q.numel() * 4 + kv.numel() * 2 + bt.numel() * 4 + 4 * num_partials * 40 * d + (1 << 20)
     gmem = GlobalMemory(need + 64 * 256)
     ns = load(src, gmem)
-    th = AttentionLayout(head_dim=d, gqa=hq // kv.shape[1]).tile_rows
+    th = AttentionLayout(head_dim=d, gqa=hq // kv.shape[1]).q_rows   # partials: real heads only
     tq = Tensor(gmem, bf(q))
     tkv = Tensor(gmem, bf(kv))
     tbt = Tensor(gmem, bt.numpy().astype(np.int32))

@@ -100,11 +100,14 @@ def test_unsupported_spec_raises_at_build_time(over, what):
         KDEF.bind(spec, T132, lambda v: None)
 
 
-def test_head_dim_256_is_rejected_with_the_reason():
-    spec = FLINT.replace(head_dim=256)
+def test_head_dim_256_with_two_head_tiles_is_rejected_with_the_reason():
+    """head_dim 256 runs one head tile (GQA <= 8, every Gemma); two tiles'
+    accumulators would not fit the registers, refused at build time."""
+    assert KDEF.variants(FLINT.replace(head_dim=256, num_q_heads=64, num_kv_heads=8), T132)   # GQA 8: fine
+    spec = FLINT.replace(head_dim=256, num_q_heads=36, num_kv_heads=4)                      # GQA 9
     for build in (lambda: KDEF.variants(spec, T132), lambda: KDEF.bind(spec, T132, lambda v: None)):
-        with pytest.raises(NotImplementedError, match=r"head_dim = 256 is not supported \(supported: \[64, 128\]\): "
-                                                      r"register budget\. .*would spill"):
+        with pytest.raises(NotImplementedError, match=r"head_dim = 256 with GQA 9 is not supported \(supported: "
+                                                      r"GQA 1\.\.8 at head_dim 256\): register budget\. .*tp_size"):
             build()
 
 

@@ -144,8 +144,16 @@ def test_head_dim_64_rule():
 
 
 def test_config_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="2 dims per thread for 8 heads x 64 dims; the epilogue needs >= 4"):
+    with pytest.raises(ValueError, match="2 dims per thread for 8 heads x 64 dims; the epilogue needs an even "
+                                         "number >= 4"):
         dac.DecodeAttentionConfig(16, 8, 2, 1, False, 1, 64, 8)
+    with pytest.raises(ValueError, match="3 dims per thread for 8 heads x 96 dims"):
+        dac.DecodeAttentionConfig(16, 8, 2, 1, False, 1, 96, 8)
+    assert dac.DecodeAttentionConfig(16, 4, 2, 1, False, 1, 96, 8).dims_per_thread == 6   # 8-byte accesses
+    with pytest.raises(ValueError, match="needs 2 K / V parts with 2 head tiles"):
+        dac.DecodeAttentionConfig(16, 4, 2, 1, False, 1, 256, 12)
+    assert dac.DecodeAttentionConfig(16, 4, 2, 1, False, 1, 256, 8).kv_parts == 2
+    assert dac.DecodeAttentionConfig(16, 8, 2, 1, False, 1, 128, 16).kv_parts == 1
     with pytest.raises(ValueError, match="cluster merge needs 2, 4 or 8 splits whose 64 / splits dims"):
         dac.DecodeAttentionConfig(8, 4, 2, 1, True, 0, 64, 8)
     assert dac.DecodeAttentionConfig(8, 4, 2, 1, True, 0, 64, 16).cluster
@@ -307,6 +315,10 @@ EMULATED = [
     (3, 64, 16, False, [(128, [130, 17]), (None, [700])]),         # odd ratio, one tile
     (6, 128, 64, True, [(None, [600, 33, 0])]),                    # one tile, 2 padded, pages of 64
     (12, 64, 32, True, [(128, [193]), (None, [600] + [0] * 16)]),  # two tiles, 4 padded heads in the second
+    (1, 96, 16, True, [(128, [145, 0]), (None, [600, 1])]),        # Phi-3: trailing 32-dim group; cluster 2
+    (12, 96, 16, False, [(None, [500, 17])]),                      # head_dim 96, two tiles (E = 12)
+    (2, 256, 16, True, [(128, [150, 1]), (None, [700, 0])]),       # Gemma: K then V per slice; cluster 8
+    (8, 256, 64, False, [(None, [600] + [0] * 16)]),               # head_dim 256, pages of 64, one split
 ]
 
 
@@ -337,6 +349,8 @@ MERGE_CASES = [
     (8, 64, 4, 4, 2, 0, [16 * 4 * 4]),                        # 2 mergers of 4 heads
     (8, 128, 8, 8, 4, 5, [16 * 8 * 8, 16 * 8 * 4 + 9]),       # 8 active: 4 merge; 4 active: the last alone
     (16, 128, 8, 8, 4, 6, [16 * 8 * 5 + 3, 16 * 8 * 7]),      # two tiles: alone (5), then 4 mergers (7)
+    (2, 256, 4, 6, 4, 0, [16 * 4 * 6 + 7, 16 * 4 * 3]),       # head_dim 256: 4 dims per thread; 6 padded heads
+    (1, 96, 4, 6, 1, 0, [16 * 4 * 6, 16 * 4 * 2 + 3]),        # head_dim 96, MHA: the last CTA alone (E = 6)
 ]
 
 

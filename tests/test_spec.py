@@ -55,7 +55,7 @@ def test_from_files(tmp_path):
 
 
 @pytest.mark.parametrize("changes, exc, match", [
-    ({"head_dim": 96}, ValueError, r"'head_dim' = 96 .*\[64, 128, 256\]"),
+    ({"head_dim": 80}, ValueError, r"'head_dim' = 80 .*\[64, 96, 128, 256\]"),
     ({"page_size": 8}, ValueError, r"'page_size' = 8 .*\[16, 32, 64\]"),
     ({"num_q_heads": 30}, ValueError, r"'num_q_heads' = 30 .*multiple of num_kv_heads = 4"),
     ({"hidden_size": 2050}, ValueError, r"'hidden_size' = 2050 .*multiple of 16"),

@@ -37,11 +37,16 @@ from dataclasses import dataclass
 
 from flintgen.layout import HEAD_TILE, SLICE_TOKENS, AttentionLayout
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_GQA = tuple(range(1, 17))   # q heads per kv head per rank: one or two tiles of 8
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
 SUPPORTED_KV_DTYPES = ("bf16",)        # the device math's fragments are bf16 pairs
 
+# Registers a lane may spend on the slice's K / V fragments, the O
+# accumulators and q (of 255 on sm_90; the rest: softmax state, addresses,
+# the ring pipeline): 160 is GQA 16 at head_dim 128 (64 + 64 + 32), the
+# largest shape that compiles spill-free with both K and V held at once.
+FRAGMENT_REGISTERS = 160
 SMEM_PER_SM = 228 * 1024               # H100/H200 shared memory per SM
 SMEM_PER_CTA_MAX = 227 * 1024          # opt-in maximum of one CTA
 # Windows up to this many slices (496 tokens: 31 slices + 1 for an unaligned
@@ -82,15 +87,19 @@ class DecodeAttentionConfig:
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps = {self.num_warps} is not supported: the epilogue maps "
                              f"{self.tile_heads} heads x {self.head_dim} dims onto 4 or 8 warps")
+        if self.kv_parts > 2 or (self.kv_parts == 2 and self.layout.num_tiles > 1):
+            raise ValueError(f"{self} needs {self.kv_parts} K / V parts with {self.layout.num_tiles} head "
+                             f"tiles: only one tile streams K and V in turn")
         if not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_stages = {self.num_stages}: supported are 2..8 ring slots per warp")
         if self.num_splits < 1 or self.min_pages < 1 or self.ctas_per_sm < 0:
             raise ValueError(f"invalid decode-attention config {self}")
         th, d = self.tile_heads, self.head_dim
-        if (th * d) % (32 * self.num_warps) or self.dims_per_thread < 4:
-            raise ValueError(f"{self.num_warps} warps give {th * d / (32 * self.num_warps):g} dims per "
-                             f"thread for {th} heads x {d} dims; the epilogue needs >= 4 (16-byte partial "
-                             "stores): use fewer warps")
+        e = th * d / (32 * self.num_warps)
+        if e != int(e) or int(e) % 2 or e < 4 or d % int(e):
+            raise ValueError(f"{self.num_warps} warps give {e:g} dims per thread for {th} heads x {d} "
+                             "dims; the epilogue needs an even number >= 4 that divides the head dim "
+                             "(8- or 16-byte partial stores): use fewer warps")
         if self.ring_bytes > SMEM_PER_CTA_MAX - 4096:
             raise ValueError(f"ring of {self.ring_bytes} B does not fit one CTA's shared memory")
         if self.scratch_bytes > self.ring_bytes:
@@ -103,9 +112,9 @@ class DecodeAttentionConfig:
             th, threads = self.tile_heads, 32 * self.num_warps
             m = self.merge_ctas
             if (not self.uses_partials or m not in (2, 4, 8) or th % m
-                    or (th // m * d) % threads or not 1 <= th // m * d // threads <= 2):
+                    or (th // m * d) % threads or th // m * d // threads not in (1, 2, 4)):
                 raise ValueError(f"merge_ctas = {m} needs global split partials and {th} heads x {d} dims "
-                                 f"split into {m} groups of 1 or 2 dims per thread of {threads}, got {self}")
+                                 f"split into {m} groups of 1, 2 or 4 dims per thread of {threads}, got {self}")
         if self.cluster:
             # Rank r merges head dims [r * D / splits, ...): the slice must hold
             # whole per-thread chunks of E dims and split evenly over the CTA.
@@ -134,6 +143,15 @@ class DecodeAttentionConfig:
     @property
     def ring_bytes(self) -> int:
         return self.num_warps * self.num_stages * self.slice_bytes
+
+    @property
+    def kv_parts(self) -> int:
+        """1: a lane holds a slice's K and V fragments at once; 2: K, then V in
+        the same registers (when both, the accumulators and q would pass
+        FRAGMENT_REGISTERS: head_dim 256)."""
+        lay = self.layout
+        words = lay.slice_bytes // (32 * 4) + lay.tile_rows * self.head_dim // 32 + lay.tile_rows * self.head_dim // 64
+        return 1 if words <= FRAGMENT_REGISTERS else 2
 
     @property
     def dims_per_thread(self) -> int:
@@ -170,16 +188,17 @@ class DecodeAttentionConfig:
 
 def check_supported(*, head_dim: int, gqa: int, page_size: int, kv_dtype: str = "bf16") -> None:
     """Raise NotImplementedError for shapes this kernel does not handle."""
-    if head_dim == 256:
+    if head_dim == 256 and gqa > HEAD_TILE:
         raise NotImplementedError(
-            "decode_attention: head_dim = 256 is not supported (supported: [64, 128]): register budget. "
-            "One 16-token slice per warp puts 128 u32 of K/V fragments, 64 fp32 O accumulators and 32 "
-            "u32 of q in every lane (224 of the 255 registers an sm_90 thread can have) before softmax "
-            "state, addresses and the ring pipeline, so the kernel would spill; a head_dim-256 design "
-            "needs K and V streamed in halves. Use a spec with head_dim 64 or 128."
+            f"decode_attention: head_dim = 256 with GQA {gqa} is not supported (supported: GQA 1..{HEAD_TILE} "
+            f"at head_dim 256): register budget. Two head tiles put 128 fp32 O accumulators and 64 u32 of q "
+            "in every lane besides a slice's K or V fragments, more than the 255 registers of an sm_90 "
+            "thread. Split the kv heads over more ranks (tp_size) so that a rank holds at most "
+            f"{HEAD_TILE} q heads per kv head."
         )
     for name, value, ok, why in (
-        ("head_dim", head_dim, SUPPORTED_HEAD_DIMS, "the mma fragment layouts cover 64 and 128 dims"),
+        ("head_dim", head_dim, SUPPORTED_HEAD_DIMS,
+         "the mma fragment layouts cover whole 64-dim groups and one trailing 32-dim group, up to 256"),
         ("GQA (q heads per kv head per rank)", gqa, SUPPORTED_GQA,
          f"q heads are the mma's {HEAD_TILE} columns: up to 8 fill one tile, 9-16 two, padded; more "
          "needs a third tile (split the kv heads over more ranks)"),
@@ -260,6 +279,10 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
         return DecodeAttentionConfig(1, 4, 3, 1, False, 0, head_dim, gqa)
     if head_dim == 64:
         return _full_attention_d64(num_bh, num_sms, gqa)
+    if head_dim == 96:
+        return _full_attention_d96(num_bh, num_sms, gqa)
+    if head_dim == 256:
+        return _full_attention_d256(num_bh, num_sms, gqa)
     # Full attention (and, unmeasured, windows longer than 32 slices): split the
     # slices of each pair across the SMs. Seed, at 4 kv heads: batch <= 2 (<= 8
     # pairs) -> one 8-warp CTA per SM (132 // pairs splits, 2 stages);
@@ -371,6 +394,48 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
     if num_bh <= 8:
         return DecodeAttentionConfig(splits, 4, 4, 1, False, 2, 64, gqa)
     return DecodeAttentionConfig(splits, 4, 4 if num_bh <= 16 else 6, 4, False, 2, 64, gqa)
+
+
+def _merge_by_four(num_splits: int, head_dim: int, gqa: int, num_warps: int) -> dict:
+    """merge_ctas = 4 from MERGE_FROM_ACTIVE active splits when the launch has
+    more splits than that and the merge mapping fits the shape (head_dim 96
+    splits into no whole 1, 2 or 4 dims per thread: the last CTA alone)."""
+    if num_splits <= MERGE_FROM_ACTIVE:
+        return {}
+    th = AttentionLayout(head_dim=head_dim, gqa=gqa).tile_rows
+    per_thread = th // 4 * head_dim / (32 * num_warps)
+    return dict(merge_ctas=4, merge_from=MERGE_FROM_ACTIVE) if per_thread in (1, 2, 4) else {}
+
+
+def _full_attention_d96(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
+    """head_dim 96 (6 KB slices): the head_dim-128 rule re-derived by bytes,
+    like head_dim 64's. 8 heads x 96 dims over 8 warps would leave 3 epilogue
+    dims per thread, so every band takes two 4-warp CTAs per SM (the 8 warps
+    per SM of the head_dim-128 rule); stages keep a warp's ring at the bytes
+    of the head_dim-128 choice (2 x 8 KB -> 3 x 6 KB, 3 x 8 KB -> 4 x 6 KB),
+    and min_pages its slice bytes (2 x 8 KB -> 3 x 6 KB). Unmeasured: derived."""
+    splits = max(1, 2 * num_sms // num_bh)
+    if num_bh <= 8 and AttentionLayout(head_dim=96, gqa=gqa).num_tiles > 1:
+        # Two tiles: twice the partial bytes per split and no several-CTA
+        # merge at 96 dims, so half the splits (head_dim 64's measured trade).
+        return DecodeAttentionConfig(max(1, num_sms // (2 * num_bh)), 4, 4, 1, False, 2, 96, gqa)
+    if num_bh <= 8:
+        return DecodeAttentionConfig(splits, 4, 3, 1, False, 2, 96, gqa, **_merge_by_four(splits, 96, gqa, 4))
+    if num_bh <= 16:
+        return DecodeAttentionConfig(splits, 4, 3, 3, False, 2, 96, gqa)
+    return DecodeAttentionConfig(splits, 4, 4, 3, False, 2, 96, gqa)
+
+
+def _full_attention_d256(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
+    """head_dim 256 (16 KB slices, K and V held in turn): one 4-warp CTA per
+    SM; its ring of 2 / 3 stages is the 128 / 192 KB per SM that the
+    head_dim-128 rule keeps in flight at small / large batches (8 warps x 2 x
+    8 KB, 2 CTAs x 4 warps x 3 x 8 KB). A single 16 KB slice already streams
+    the bytes of two 8 KB ones, so min_pages is 1. Unmeasured: derived."""
+    splits = max(1, num_sms // num_bh)
+    if num_bh <= 16:
+        return DecodeAttentionConfig(splits, 4, 2, 1, False, 1, 256, gqa, **_merge_by_four(splits, 256, gqa, 4))
+    return DecodeAttentionConfig(splits, 4, 3, 1, False, 1, 256, gqa)
 
 
 def all_configs(*, max_batch: int, num_kv_heads: int, sliding: bool, window: int | None,

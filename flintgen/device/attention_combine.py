@@ -9,15 +9,18 @@ Merging partials r: m = max m_r, w_r = exp2(m_r * c - m * c) (0 for an empty
 partial, m_r = -inf), O = sum w_r O_r, l = sum w_r l_r; the output is
 O / (l + exp2(sink * log2 e - m * c)).
 
-Heads: TH = HEAD_TILE x head tiles (8 for GQA 4 and 8, 16 for GQA 16;
-flintgen/layout.py ``AttentionLayout.tile_rows``) are merged;
-with GQA 4 heads 4..7 are padding (q = 0) and are merged but never written
-(``G`` below is the real GQA, TH >= G). D = head_dim.
+Heads: TH = HEAD_TILE x head tiles (8 for GQA 1..8, 16 for GQA 9..16;
+flintgen/layout.py ``AttentionLayout.tile_rows``) are computed; ``G`` below
+is the real GQA (TH >= G): heads G..TH-1 are padding (q = 0), combined
+across the warps of a CTA but never published, merged across splits or
+written. D = head_dim.
 
 Epilogue thread mapping (TH heads x D dims over the CTA): thread ``tid``
 owns head ``eh = tid // (D / E)``, dims ``ed .. ed + E - 1`` with
 ``ed = (tid % (D / E)) * E`` and ``E = TH * D / threads`` (Flint, TH = 8,
-D = 128: 8 for 4 warps, 4 for 8 warps); E >= 4 (16-byte partial stores).
+D = 128: 8 for 4 warps, 4 for 8 warps; D = 96: 6 for 4 warps); E even:
+16-byte fp32 accesses when E is a multiple of 4, else 8-byte ones
+(``vec_floats``).
 
 Shared scratch per warp (fp32, ``warp_scratch(TH, D)`` floats)::
 
@@ -25,10 +28,11 @@ Shared scratch per warp (fp32, ``warp_scratch(TH, D)`` floats)::
     [TH * D + head]      m      (TH)
     [TH * D + TH + head] l      (TH)
 
-Global split partials, row ``prow = (b * kv_heads + kvh) * splits + split``::
+Global split partials, row ``prow = (b * kv_heads + kvh) * splits + split``,
+sized by the G real heads (padded heads store, load and merge nothing)::
 
-    part_o[prow * TH * D + head * D + dim]   fp32
-    part_ml[prow * 2 TH + head]              m;  [prow * 2 TH + TH + head]  l
+    part_o[prow * G * D + head * D + dim]    fp32
+    part_ml[prow * 2 G + head]               m;  [prow * 2 G + G + head]  l
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from flintgen.device import ptx
-from flintgen.device.attn_ptx import lds_f32x4, selp_f32, sts_f32x2, stg_b16
+from flintgen.device.attn_ptx import (
+    lds_f32x2, lds_f32x4, selp_f32, st_cluster_f32x2, stg_b16, stg_f32x2, sts_f32x2,
+)
+from flintgen.device.decode_mma import pv_dims
 from flintgen.layout import HEAD_TILE
 
 LOG2E = 1.4426950408889634
@@ -47,6 +54,24 @@ LOG2E = 1.4426950408889634
 def warp_scratch(tile_heads: int, head_dim: int) -> int:
     """fp32 floats of one warp's CTA-combine scratch: O, then m and l per head."""
     return tile_heads * head_dim + 2 * tile_heads
+
+
+def vec_floats(E: int) -> int:
+    """fp32 values per vector access of a thread's E epilogue dims: 16-byte
+    accesses when E is a multiple of 4, else 8-byte ones (head_dim 96: E = 6,
+    dims 6 k .. are 8-byte aligned)."""
+    return 4 if E % 4 == 0 else 2
+
+
+@cute.jit
+def _ld_f32s(dst, off: cutlass.Constexpr, addr, EV: cutlass.Constexpr):
+    """``dst[off .. off + EV]`` <- shared ``addr`` (EV = 4 or 2 floats)."""
+    if cutlass.const_expr(EV == 4):
+        v = lds_f32x4(addr)
+    else:
+        v = lds_f32x2(addr)
+    for j in cutlass.range_constexpr(EV):
+        dst[off + j] = v[j]
 
 
 @cute.jit
@@ -74,7 +99,8 @@ def cta_combine(acc, ml, scratch, warp, g, t, eh, ed, scale_log2, o,
         h0 = HEAD_TILE * tl + 2 * t
         ao = tl * (D // 4)
         for j in cutlass.range_constexpr(D // 16):
-            d0 = 64 * (j // 4) + 8 * g + 2 * (j % 4)
+            base, stride = pv_dims(j, D)
+            d0 = base + stride * g
             sts_f32x2(wbuf + (h0 * D + d0) * 4, acc[ao + 4 * j], acc[ao + 4 * j + 2])
             sts_f32x2(wbuf + ((h0 + 1) * D + d0) * 4, acc[ao + 4 * j + 1], acc[ao + 4 * j + 3])
         if g == 0:
@@ -89,36 +115,47 @@ def cta_combine(acc, ml, scratch, warp, g, t, eh, ed, scale_log2, o,
     l_cta = Float32(0.0)
     for e in cutlass.range_constexpr(E):
         o[e] = Float32(0.0)
+    EV = vec_floats(E)
+    v = [Float32(0.0)] * E
     for w in cutlass.range_constexpr(NW):
         base = scratch + w * (WS * 4)
         wgt = _weight(ptx.lds_f32(base + (MO + eh) * 4), scale_log2, m_cta_s)
         l_cta = l_cta + wgt * ptx.lds_f32(base + (MO + TH + eh) * 4)
-        for i in cutlass.range_constexpr(E // 4):
-            v = lds_f32x4(base + (eh * D + ed + 4 * i) * 4)
-            for j in cutlass.range_constexpr(4):
-                o[4 * i + j] = o[4 * i + j] + wgt * v[j]
+        for i in cutlass.range_constexpr(E // EV):
+            _ld_f32s(v, EV * i, base + (eh * D + ed + EV * i) * 4, EV)
+        for e in cutlass.range_constexpr(E):
+            o[e] = o[e] + wgt * v[e]
     return m_cta, l_cta
 
 
 @cute.jit
 def store_out(out_row, ed, o, inv, E: cutlass.Constexpr):
-    """bf16(o * inv) -> ``out_row`` (byte address of out[b, head, 0]) dims ed.."""
-    if cutlass.const_expr(E == 4):
-        ptx.stg_u32x2(out_row + ed * 2, ptx.bf16x2(o[0] * inv, o[1] * inv),
-                      ptx.bf16x2(o[2] * inv, o[3] * inv))  # fmt: skip
-    for i in cutlass.range_constexpr(E // 8):
-        w = [ptx.bf16x2(o[8 * i + 2 * j] * inv, o[8 * i + 2 * j + 1] * inv) for j in range(4)]
-        ptx.stg_u32x4(out_row + (ed + 8 * i) * 2, w[0], w[1], w[2], w[3])
+    """bf16(o * inv) -> ``out_row`` (byte address of out[b, head, 0]) dims
+    ed.. (``ed`` a multiple of E: 16-byte stores when E is a multiple of 8,
+    8-byte ones for E = 4 or 12, 4-byte ones for E = 6)."""
+    w = [ptx.bf16x2(o[2 * j] * inv, o[2 * j + 1] * inv) for j in range(E // 2)]
+    _store_words(out_row + ed * 2, w, E)
+
+
+@cute.jit
+def _store_words(dst, w, E: cutlass.Constexpr):
+    """Store the E / 2 words ``w`` (bf16 pairs) at global ``dst`` in the
+    widest accesses E's alignment allows."""
+    if cutlass.const_expr(E % 8 == 0):
+        for i in cutlass.range_constexpr(E // 8):
+            ptx.stg_u32x4(dst + 16 * i, w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3])
+    elif cutlass.const_expr(E % 4 == 0):
+        for i in cutlass.range_constexpr(E // 4):
+            ptx.stg_u32x2(dst + 8 * i, w[2 * i], w[2 * i + 1])
+    else:
+        for i in cutlass.range_constexpr(E // 2):
+            ptx.stg_u32(dst + 4 * i, w[i])
 
 
 @cute.jit
 def store_zeros(out_row, ed, E: cutlass.Constexpr):
     """seq_len 0: exact zeros (nothing to attend, no sink-only output)."""
-    z = cutlass.Uint32(0)
-    if cutlass.const_expr(E == 4):
-        ptx.stg_u32x2(out_row + ed * 2, z, z)
-    for i in cutlass.range_constexpr(E // 8):
-        ptx.stg_u32x4(out_row + (ed + 8 * i) * 2, z, z, z, z)
+    _store_words(out_row + ed * 2, [cutlass.Uint32(0)] * (E // 2), E)
 
 
 @cute.jit
@@ -144,15 +181,30 @@ def store_head_zeros(out_row, eh, ed, E: cutlass.Constexpr, G: cutlass.Constexpr
 
 @cute.jit
 def publish_partial(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constexpr, D: cutlass.Constexpr,
-                    TH: cutlass.Constexpr):
+                    G: cutlass.Constexpr, TH: cutlass.Constexpr):
     """Store this split's partial (``po_row``/``pml_row``: byte addresses of
-    its part_o / part_ml rows)."""
+    its part_o / part_ml rows, sized by the G real heads: padded heads
+    ``eh >= G`` store nothing)."""
+    if cutlass.const_expr(TH > G):
+        if eh < G:
+            _publish(po_row, pml_row, eh, ed, o, m_cta, l_cta, E, D, G)
+    else:
+        _publish(po_row, pml_row, eh, ed, o, m_cta, l_cta, E, D, G)
+
+
+@cute.jit
+def _publish(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constexpr, D: cutlass.Constexpr,
+             G: cutlass.Constexpr):
     po = po_row + (eh * D + ed) * 4
-    for i in cutlass.range_constexpr(E // 4):
-        ptx.stg_f32x4(po + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
+    if cutlass.const_expr(vec_floats(E) == 4):
+        for i in cutlass.range_constexpr(E // 4):
+            ptx.stg_f32x4(po + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
+    else:
+        for i in cutlass.range_constexpr(E // 2):
+            stg_f32x2(po + 8 * i, o[2 * i], o[2 * i + 1])
     if ed == 0:
         ptx.stg_f32(pml_row + eh * 4, m_cta)
-        ptx.stg_f32(pml_row + (TH + eh) * 4, l_cta)
+        ptx.stg_f32(pml_row + (G + eh) * 4, l_cta)
 
 
 @cute.jit
@@ -170,89 +222,119 @@ def arrive(counter, flag, tid):
 
 
 @cute.jit
-def _load_round(vs, o_base, r0: cutlass.Constexpr, num_splits, RCH: cutlass.Constexpr, E: cutlass.Constexpr,
+def _load_round(vs, o_base, r0: cutlass.Constexpr, num_loads, RCH: cutlass.Constexpr, E: cutlass.Constexpr,
                 ROW: cutlass.Constexpr):
     """Load splits ``r0 .. r0 + RCH`` of this thread's E dims into ``vs``
-    (``ROW``: bytes per split row); rows past ``num_splits`` are zero and
-    issue no load."""
+    (``ROW``: bytes per split row); rows past ``num_loads`` (the active
+    splits, 0 for a padded head) are zero and issue no load."""
+    EV = vec_floats(E)
     for r in cutlass.range_constexpr(RCH):
         for k in cutlass.range_constexpr(E):
             vs[r * E + k] = Float32(0.0)
-        if r0 + r < num_splits:
-            for i in cutlass.range_constexpr(E // 4):
-                v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * ROW + 16 * i)
-                for j in cutlass.range_constexpr(4):
-                    vs[r * E + 4 * i + j] = v[j]
+        if r0 + r < num_loads:
+            for i in cutlass.range_constexpr(E // EV):
+                if cutlass.const_expr(EV == 4):
+                    v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * ROW + 16 * i)
+                else:
+                    v = ptx.ldg_cg_f32x2(o_base + Int64(r0 + r) * ROW + 8 * i)
+                for j in cutlass.range_constexpr(EV):
+                    vs[r * E + EV * i + j] = v[j]
 
 
 @cute.jit
-def _sum_round(o, vs, ml_smem, r0: cutlass.Constexpr, num_splits, eh, MLR: cutlass.Constexpr, TH: cutlass.Constexpr,
+def _sum_round(o, vs, ml_smem, r0: cutlass.Constexpr, num_splits, h, MLR: cutlass.Constexpr, G: cutlass.Constexpr,
                RCH: cutlass.Constexpr, E: cutlass.Constexpr):
     """o += weight(split) x partial for the RCH splits from ``r0`` held in
-    ``vs`` (weights from the shared m / l table; 0 past ``num_splits``).
-    The splits exist in the table: r0 + RCH <= the static split count."""
+    ``vs`` (weights of real head ``h`` from the shared m / l table; 0 past
+    ``num_splits``). The splits exist in the table: r0 + RCH <= the static
+    split count."""
     for r in cutlass.range_constexpr(RCH):
         row = (r0 + r) * MLR
-        wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + eh) * 4), Float32(0.0),
+        wgt = selp_f32(ptx.lds_f32(ml_smem + (row + G + h) * 4), Float32(0.0),
                        Int32(r0 + r < num_splits))  # fmt: skip
         for e in cutlass.range_constexpr(E):
             o[e] = o[e] + wgt * vs[r * E + e]
 
 
 @cute.jit
+def _real_head(h, G: cutlass.Constexpr, TH: cutlass.Constexpr):
+    """``(min(h, G - 1), G if h < G else 0)``: the real head whose partial rows a
+    (possibly padded) head ``h`` may address, and the loads it issues per split
+    (padded heads: none)."""
+    if cutlass.const_expr(TH > G):
+        return cutlass.min(h, Int32(G - 1)), Int32(h < G)
+    return h, Int32(1)
+
+
+@cute.jit
 def stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT: cutlass.Constexpr,
-                  NW: cutlass.Constexpr, TH: cutlass.Constexpr):
-    """Stage the pair's m / l table in ``ml_smem`` (``2 TH * NSPLIT + 2 TH``
-    floats), replace each split's l by its merge weight and append the merged
-    m * c and l per head. Ends with a CTA barrier."""
-    MLR = 2 * TH        # floats per split row of the m / l table
+                  NW: cutlass.Constexpr, G: cutlass.Constexpr):
+    """Stage the pair's m / l table (rows of the G real heads) in ``ml_smem``
+    (``2 G * NSPLIT + 2 G`` floats), replace each split's l by its merge
+    weight and append the merged m * c and l per head. Ends with a CTA
+    barrier."""
+    MLR = 2 * G         # floats per split row of the m / l table
     THREADS = 32 * NW
-    Q4 = MLR // 4       # 16-byte loads per split row
+    QV = 4 if G % 2 == 0 else 2     # floats per load: rows are 2 G floats
+    QN = MLR // QV                  # loads per split row
     # Unrolled (at most 9 guarded iterations) so that all of a thread's loads
     # are in flight at once; a runtime loop would wait one L2 round trip per
     # iteration.
-    for i in cutlass.range_constexpr((NSPLIT * Q4 + THREADS - 1) // THREADS):
+    for i in cutlass.range_constexpr((NSPLIT * QN + THREADS - 1) // THREADS):
         idx = tid + i * THREADS
-        if idx < num_splits * Q4:
-            v = ptx.ldg_cg_f32x4(pml_base + Int64(idx) * 16)
-            for j in cutlass.range_constexpr(4):
-                ptx.sts_f32(ml_smem + (idx * 4 + j) * 4, v[j])
+        if idx < num_splits * QN:
+            if cutlass.const_expr(QV == 4):
+                v = ptx.ldg_cg_f32x4(pml_base + Int64(idx) * 16)
+            else:
+                v = ptx.ldg_cg_f32x2(pml_base + Int64(idx) * 8)
+            for j in cutlass.range_constexpr(QV):
+                ptx.sts_f32(ml_smem + (idx * QV + j) * 4, v[j])
     cute.arch.sync_threads()
 
-    # Warp w merges heads w, w + NW, ..; its lanes cover the splits. Each
+    # Warp w merges real heads w, w + NW, ..; its lanes cover the splits. Each
     # split's weight replaces its l in the table.
     warp = tid // 32
     lane = tid % 32
     NL = (NSPLIT + 31) // 32
-    for hh in cutlass.range_constexpr(TH // NW):
+    for hh in cutlass.range_constexpr((G + NW - 1) // NW):
         h = warp + hh * NW
-        mloc = [Float32(0.0)] * NL
-        for r in cutlass.range_constexpr(NL):
-            sidx = lane + 32 * r
-            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * MLR
-            mloc[r] = selp_f32(ptx.lds_f32(ml_smem + (row + h) * 4), ptx.neg_inf(),
-                               Int32(sidx < num_splits))  # fmt: skip
-        mh = mloc[0]
-        for r in cutlass.range_constexpr(1, NL):
-            mh = cute.arch.fmax(mh, mloc[r])
-        for off in cutlass.range_constexpr(5):
-            mh = cute.arch.fmax(mh, cute.arch.shuffle_sync_bfly(mh, 1 << off))
-        mh_s = mh * scale_log2
-        lh = Float32(0.0)
-        for r in cutlass.range_constexpr(NL):
-            sidx = lane + 32 * r
-            row = cutlass.min(sidx, Int32(NSPLIT - 1)) * MLR
-            ok = Int32(sidx < num_splits)
-            wgt = _weight(mloc[r], scale_log2, mh_s)
-            lh = lh + wgt * selp_f32(ptx.lds_f32(ml_smem + (row + TH + h) * 4), Float32(0.0), ok)
-            if sidx < num_splits:
-                ptx.sts_f32(ml_smem + (row + TH + h) * 4, wgt)
-        for off in cutlass.range_constexpr(5):
-            lh = lh + cute.arch.shuffle_sync_bfly(lh, 1 << off)
-        if lane == 0:
-            ptx.sts_f32(ml_smem + (NSPLIT * MLR + h) * 4, mh_s)
-            ptx.sts_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4, lh)
+        if h < G:
+            _head_weights(ml_smem, num_splits, lane, h, scale_log2, NSPLIT, MLR, G, NL)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def _head_weights(ml_smem, num_splits, lane, h, scale_log2, NSPLIT: cutlass.Constexpr, MLR: cutlass.Constexpr,
+                  G: cutlass.Constexpr, NL: cutlass.Constexpr):
+    """One warp: merged m * c and l of head ``h`` over the splits; split r's l
+    entry becomes its weight. A lane reads and writes only its own splits'
+    entries (lanes past the splits read row NSPLIT - 1's m, which nobody
+    writes here)."""
+    mloc = [Float32(0.0)] * NL
+    for r in cutlass.range_constexpr(NL):
+        sidx = lane + 32 * r
+        row = cutlass.min(sidx, Int32(NSPLIT - 1)) * MLR
+        mloc[r] = selp_f32(ptx.lds_f32(ml_smem + (row + h) * 4), ptx.neg_inf(),
+                           Int32(sidx < num_splits))  # fmt: skip
+    mh = mloc[0]
+    for r in cutlass.range_constexpr(1, NL):
+        mh = cute.arch.fmax(mh, mloc[r])
+    for off in cutlass.range_constexpr(5):
+        mh = cute.arch.fmax(mh, cute.arch.shuffle_sync_bfly(mh, 1 << off))
+    mh_s = mh * scale_log2
+    lh = Float32(0.0)
+    for r in cutlass.range_constexpr(NL):
+        sidx = lane + 32 * r
+        if sidx < num_splits:
+            lw = ml_smem + (sidx * MLR + G + h) * 4
+            wgt = _weight(mloc[r], scale_log2, mh_s)
+            lh = lh + wgt * ptx.lds_f32(lw)
+            ptx.sts_f32(lw, wgt)
+    for off in cutlass.range_constexpr(5):
+        lh = lh + cute.arch.shuffle_sync_bfly(lh, 1 << off)
+    if lane == 0:
+        ptx.sts_f32(ml_smem + (NSPLIT * MLR + h) * 4, mh_s)
+        ptx.sts_f32(ml_smem + (NSPLIT * MLR + G + h) * 4, lh)
 
 
 @cute.jit
@@ -260,27 +342,30 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
                    o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
                    D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
     """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
-    at ``po_base``/``pml_base`` (rows of split 0) and write the output of the
-    real heads (``eh < G``; padded heads are merged, never stored).
+    at ``po_base``/``pml_base`` (rows of split 0, G real heads each) and write
+    the output of the real heads (padded heads ``eh >= G`` load nothing and
+    store nothing).
 
-    ``ml_smem``: shared scratch of ``2 TH * NSPLIT + 2 TH`` floats (m, l table,
+    ``ml_smem``: shared scratch of ``2 G * NSPLIT + 2 G`` floats (m, l table,
     then the per-head merged m * c and l)."""
-    MLR = 2 * TH        # floats per split row of the m / l table
-    ROW = TH * D * 4    # bytes per split row of part_o
+    MLR = 2 * G         # floats per split row of the m / l table
+    ROW = G * D * 4     # bytes per split row of part_o
     # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
     # thread; the first round is issued before the m / l staging to hide its
     # L2 latency behind it.
     RCH = min(NSPLIT, max(1, 128 // E))
-    o_base = po_base + (eh * D + ed) * 4
+    hr, real = _real_head(eh, G, TH)
+    num_loads = num_splits * real
+    o_base = po_base + (hr * D + ed) * 4
     vs = cute.make_rmem_tensor((RCH * E,), Float32)
     # Loads of splits past ``num_splits`` are skipped, not clamped: with a
     # 66-split variant and 8 active splits, clamped loads cost ~1.3 us at
     # B=1, L=1k (66 vs 8 static splits, same active count; H200 sweep).
-    _load_round(vs, o_base, 0, num_splits, RCH, E, ROW)
-    stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, TH)
+    _load_round(vs, o_base, 0, num_loads, RCH, E, ROW)
+    stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, G)
 
-    m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + eh) * 4)
-    l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + eh) * 4)
+    m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + hr) * 4)
+    l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + G + hr) * 4)
     for e in cutlass.range_constexpr(E):
         o[e] = Float32(0.0)
     # Rounds unrolled (straight-line code lets ptxas issue a round's loads
@@ -293,8 +378,8 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
     for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
         if r0 < num_splits:
             if cutlass.const_expr(r0 > 0):
-                _load_round(vs, o_base, r0, num_splits, RCH, E, ROW)
-            _sum_round(o, vs, ml_smem, r0, num_splits, eh, MLR, TH, min(RCH, NSPLIT - r0), E)
+                _load_round(vs, o_base, r0, num_loads, RCH, E, ROW)
+            _sum_round(o, vs, ml_smem, r0, num_splits, hr, MLR, G, min(RCH, NSPLIT - r0), E)
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
     store_head(out_row, eh, ed, o, inv, E, G, TH)
 
@@ -332,48 +417,57 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
                  NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr, TH: cutlass.Constexpr,
                  G: cutlass.Constexpr, MC: cutlass.Constexpr, EM: cutlass.Constexpr):
     """Merger ``rank`` of ``r_eff``: merge head groups ``rank, rank + r_eff, ..``
-    (``MC`` groups of ``TH / MC`` heads) and write their real heads. Thread
-    ``tid`` owns ``EM`` consecutive dims of a group (``TH / MC * D == 32 * NW
-    * EM``); a warp's loads are one coalesced row segment per split. The
-    first group's loads (every split while ``NSPLIT * EM <= 128``) are issued
-    before the m / l table is staged, so both share one L2 round trip."""
+    (``MC`` groups of ``TH / MC`` heads) and write their real heads (padded
+    heads load nothing). Thread ``tid`` owns ``EM`` (1, 2 or 4) consecutive
+    dims of a group (``TH / MC * D == 32 * NW * EM``); a warp's loads are one
+    coalesced row segment per split. The first group's loads (every split
+    while ``NSPLIT * EM <= 128``) are issued before the m / l table is
+    staged, so both share one L2 round trip."""
     HG = TH // MC
-    MLR = 2 * TH
-    ROW = TH * D * 4
+    MLR = 2 * G
+    ROW = G * D * 4
     RCH = min(NSPLIT, 128 // EM)      # splits per round: 128 floats in flight per thread
     for k in cutlass.range_constexpr(MC):
         grp = rank + k * r_eff
         if grp < MC:
             h = grp * HG + (tid * EM) // D
+            hr, real = _real_head(h, G, TH)
+            num_loads = num_splits * real
             d0 = (tid * EM) % D
-            o_base = po_base + Int64((h * D + d0) * 4)
+            o_base = po_base + Int64((hr * D + d0) * 4)
             o = [Float32(0.0)] * EM
             for r0 in cutlass.range_constexpr(0, NSPLIT, RCH):
                 if r0 < num_splits:
                     vs = [Float32(0.0)] * (RCH * EM)
                     for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
-                        if r0 + r < num_splits:
-                            if cutlass.const_expr(EM == 2):
+                        if r0 + r < num_loads:
+                            if cutlass.const_expr(EM == 4):
+                                v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * ROW)
+                                for e in cutlass.range_constexpr(4):
+                                    vs[4 * r + e] = v[e]
+                            elif cutlass.const_expr(EM == 2):
                                 v = ptx.ldg_cg_f32x2(o_base + Int64(r0 + r) * ROW)
                                 vs[2 * r] = v[0]
                                 vs[2 * r + 1] = v[1]
                             else:
                                 vs[r] = ptx.ldg_cg_f32(o_base + Int64(r0 + r) * ROW)
                     if cutlass.const_expr(k == 0 and r0 == 0):
-                        stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, TH)
+                        stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, G)
                     for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
                         row = (r0 + r) * MLR
-                        wgt = selp_f32(ptx.lds_f32(ml_smem + (row + TH + h) * 4), Float32(0.0),
+                        wgt = selp_f32(ptx.lds_f32(ml_smem + (row + G + hr) * 4), Float32(0.0),
                                        Int32(r0 + r < num_splits))  # fmt: skip
                         for e in cutlass.range_constexpr(EM):
                             o[e] = o[e] + wgt * vs[r * EM + e]
-            m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + h) * 4)
-            l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + TH + h) * 4)
-            sink_s = Float32(sinks[head0 + cutlass.min(h, Int32(G - 1))]) * LOG2E
+            m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + hr) * 4)
+            l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + G + hr) * 4)
+            sink_s = Float32(sinks[head0 + hr]) * LOG2E
             inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
             dst = out_b + Int64(head0 + h) * so1 * 2 + Int64(d0 * 2)
             if h < G:
-                if cutlass.const_expr(EM == 2):
+                if cutlass.const_expr(EM == 4):
+                    ptx.stg_u32x2(dst, ptx.bf16x2(o[0] * inv, o[1] * inv), ptx.bf16x2(o[2] * inv, o[3] * inv))
+                elif cutlass.const_expr(EM == 2):
                     ptx.stg_u32(dst, ptx.bf16x2(o[0] * inv, o[1] * inv))
                 else:
                     stg_b16(dst, ptx.bf16x2(o[0] * inv, o[0] * inv))
@@ -398,8 +492,12 @@ def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale
     peer = ptx.mapa(cbuf, Int32(ed // DPR))
     cute.arch.cluster_wait()
     dst = peer + ((rank * TH + eh) * DPR + ed % DPR) * 4
-    for i in cutlass.range_constexpr(E // 4):
-        ptx.st_cluster_f32x4(dst + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
+    if cutlass.const_expr(vec_floats(E) == 4):
+        for i in cutlass.range_constexpr(E // 4):
+            ptx.st_cluster_f32x4(dst + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
+    else:
+        for i in cutlass.range_constexpr(E // 2):
+            st_cluster_f32x2(dst + 8 * i, o[2 * i], o[2 * i + 1])
     if ed % DPR == 0:
         ptx.st_cluster_f32(peer + (M_OFF + rank * TH + eh) * 4, m_cta)
         ptx.st_cluster_f32(peer + (L_OFF + rank * TH + eh) * 4, l_cta)
@@ -436,8 +534,10 @@ def _cluster_store(oo, m_all_s, l_all, sinks, head, out_b, so1, rank, dl, DPR: c
     sink_s = Float32(sinks[head]) * LOG2E
     inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
     dst_g = out_b + (Int64(head) * so1 + rank * DPR + dl) * 2
-    for e in cutlass.range_constexpr(0, OPT, 2):
-        if cutlass.const_expr(e + 1 < OPT):
-            ptx.stg_u32(dst_g + e * 2, ptx.bf16x2(oo[e] * inv, oo[e + 1] * inv))
-        else:
+    if cutlass.const_expr(OPT % 2):
+        # Odd OPT (head_dim 96 over 2 ranks: 3 dims): dl is not 4-byte aligned.
+        for e in cutlass.range_constexpr(OPT):
             stg_b16(dst_g + e * 2, ptx.bf16x2(oo[e] * inv, oo[e] * inv))
+    else:
+        for e in cutlass.range_constexpr(0, OPT, 2):
+            ptx.stg_u32(dst_g + e * 2, ptx.bf16x2(oo[e] * inv, oo[e + 1] * inv))

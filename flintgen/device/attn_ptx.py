@@ -4,7 +4,7 @@ addresses are Int64, shared addresses Uint32)."""
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from flintgen.device.ptx import _asm, lds_f32x4, stg_b16  # noqa: F401 (re-exported)
@@ -36,3 +36,33 @@ def sts_f32x2(addr, a, b, *, loc=None, ip=None):
         "st.shared.v2.f32 [$0], {$1, $2};", side_effects=True, loc=loc, ip=ip,
     )  # fmt: skip
 
+
+
+@dsl_user_op
+def lds_u32x2(addr, *, loc=None, ip=None):
+    return _asm(
+        [Uint32] * 2, [(Uint32, addr)], "ld.shared.v2.u32 {$0, $1}, [$2];", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def lds_f32x2(addr, *, loc=None, ip=None):
+    return _asm(
+        [Float32] * 2, [(Uint32, addr)], "ld.shared.v2.f32 {$0, $1}, [$2];", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def stg_f32x2(addr, a, b, *, loc=None, ip=None):
+    _asm(
+        [], [(Int64, addr), (Float32, a), (Float32, b)],
+        "st.global.v2.f32 [$0], {$1, $2};", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def st_cluster_f32x2(addr, a, b, *, loc=None, ip=None):
+    _asm(
+        [], [(Uint32, addr), (Float32, a), (Float32, b)],
+        "st.shared::cluster.v2.f32 [$0], {$1, $2};", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip

@@ -2,8 +2,8 @@
 ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate) and an online softmax.
 
 Provenance: the hand-written Flint decode kernel (shared/seeds/000_*.txt),
-``compute``, as a free function, generalized over head_dim ``D`` (64, 128)
-and head tiles.
+``compute``, as a free function, generalized over head_dim ``D`` (64, 96,
+128, 256) and head tiles.
 
 The q heads of a kv head are the mma's N = HEAD_TILE = 8 columns, one *tile*
 of 8 heads per mma (flintgen/layout.py, ``AttentionLayout``): GQA 8 is one
@@ -12,7 +12,7 @@ computed and never stored); GQA 16 is two tiles that share the slice's K/V
 fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
 
 * S^T[token, head] = K Q^T: M = 16 tokens, N = 8 heads, K = D dims in D / 16
-  k-steps. Any permutation of the dims works if A and B agree: k-step
+  k-steps (D a multiple of 32). Any permutation of the dims works if A and B agree: k-step
   ``c = 2 i + h`` covers dims ``32 i + 8 t' + 4 h + 0..3`` (t' < 4), which is
   what 16-byte shared/global loads give each lane. ``qf[QW tile + 4 i + j]``
   (QW = D / 8) = q head 8 tile + g, dims ``32 i + 8 t + 2 j, +1``. Results:
@@ -22,8 +22,9 @@ fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
   to head 2t + 1 of the tile); l sums the fp32 p, P is rounded to bf16 for P V.
 * O^T[dim, head] += V^T P^T: M = D dims in D / 16 m-tiles, N = 8 heads, K = 16
   tokens. m-tile j, rows g / g + 8 are dims d0 / d0 + 1 with
-  ``d0 = 64 (j // 4) + 8 g + 2 (j % 4)``, so with AW = D / 4 accumulators
-  per tile ``acc[AW tile + 4 j + 0..3]`` = O[head 2t, d0], O[2t+1, d0],
+  ``d0 = 64 (j // 4) + 8 g + 2 (j % 4)`` (the trailing 32 dims of D = 96:
+  ``64 + 4 g + 2 (j - 4)``; ``pv_dims``), so with AW = D / 4 accumulators per
+  tile ``acc[AW tile + 4 j + 0..3]`` = O[head 2t, d0], O[2t+1, d0],
   O[2t, d0+1], O[2t+1, d0+1].
 """
 
@@ -67,16 +68,26 @@ def load_q(qf, q_row, head_bytes, g, t, D: cutlass.Constexpr, GQA: cutlass.Const
                 _load_q_head(qf, head, t, tl * (D // 8), D)
 
 
+def pv_dims(j: int, D: int) -> tuple[int, int]:
+    """O^T m-tile ``j`` (of D / 16): rows g / g + 8 hold dims ``d0`` / ``d0 + 1``
+    with ``d0 = base + stride * g``; returns ``(base, stride)``. Whole 64-dim
+    groups: ``d0 = 64 (j // 4) + 8 g + 2 (j % 4)``; the trailing 32 dims of
+    D = 96: ``d0 = 64 + 4 g + 2 (j - 4)``. Word ``j`` of a V token row in
+    ``paged_kv.load_v``'s fragments holds the same dims."""
+    full = D // 64
+    if j < 4 * full:
+        return 64 * (j // 4) + 2 * (j % 4), 8
+    return 64 * full + 2 * (j - 4 * full), 4
+
+
 @cute.jit
-def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
-                D: cutlass.Constexpr, TILE: cutlass.Constexpr):
-    """Fold sequence slice ``slc`` (fragments from ``paged_kv.load_page``) into head tile
-    ``TILE``'s accumulators and running (m, l); returns the new
-    ``(m0, m1, l0, l1)``. ``l`` is this lane's share (tokens g, g + 8); the
-    caller sums it over g at the end."""
+def slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
+                 D: cutlass.Constexpr, TILE: cutlass.Constexpr):
+    """First half of ``attend_page``: S = K q from the K fragments at
+    ``frag[0 ..]``, the online softmax (running m, l; head tile ``TILE``'s
+    accumulators rescaled) and P^T as the B operand of P V. Returns
+    ``(m0, m1, l0, l1, b0, b1)``."""
     KO = D // 8
-    VO = D // 4
-    VR = D // 16
     QO = TILE * (D // 8)
     AO = TILE * (D // 4)
     # Two accumulator chains (even / odd k-steps) halve the mma dependency chain.
@@ -139,14 +150,20 @@ def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, 
     sel = Uint32(0x5410) + Uint32(g & 1) * Uint32(0x7632 - 0x5410)  # low or high halves
     b0 = ptx.prmt(x0, x1, sel)
     b1 = ptx.prmt(y0, y1, sel)
+    return mn0, mn1, l0, l1, b0, b1
 
+
+@cute.jit
+def slice_pv(frag, VO: cutlass.Constexpr, acc, b0, b1, D: cutlass.Constexpr, TILE: cutlass.Constexpr):
+    """Second half of ``attend_page``: O^T += V^T P^T from the V fragments at
+    ``frag[VO ..]`` (word j of a token: dims ``pv_dims(j, D)``)."""
+    VR = D // 16
+    AO = TILE * (D // 4)
     for j in cutlass.range_constexpr(D // 16):
-        hh = j // 4
-        wi = j % 4
-        va = frag[VO + 4 * hh + wi]             # V token 2t,   dims d0, d0 + 1
-        vb = frag[VO + VR + 4 * hh + wi]        # V token 2t+1
-        vc = frag[VO + 2 * VR + 4 * hh + wi]    # V token 2t+8
-        vd = frag[VO + 3 * VR + 4 * hh + wi]    # V token 2t+9
+        va = frag[VO + j]               # V token 2t,   dims d0, d0 + 1
+        vb = frag[VO + VR + j]          # V token 2t+1
+        vc = frag[VO + 2 * VR + j]      # V token 2t+8
+        vd = frag[VO + 3 * VR + j]      # V token 2t+9
         a = (ptx.prmt(va, vb, Uint32(0x5410)), ptx.prmt(va, vb, Uint32(0x7632)),
              ptx.prmt(vc, vd, Uint32(0x5410)), ptx.prmt(vc, vd, Uint32(0x7632)))  # fmt: skip
         r = ptx.mma_bf16_16816(
@@ -154,4 +171,16 @@ def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, 
         )
         for k in cutlass.range_constexpr(4):
             acc[AO + 4 * j + k] = r[k]
-    return mn0, mn1, l0, l1
+
+
+@cute.jit
+def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
+                D: cutlass.Constexpr, TILE: cutlass.Constexpr):
+    """Fold sequence slice ``slc`` (fragments from ``paged_kv.load_page``: K
+    from 0, V from D / 4) into head tile ``TILE``'s accumulators and running
+    (m, l); returns the new ``(m0, m1, l0, l1)``. ``l`` is this lane's share
+    (tokens g, g + 8); the caller sums it over g at the end."""
+    m0, m1, l0, l1, b0, b1 = slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1,
+                                          g, t, D, TILE)
+    slice_pv(frag, D // 4, acc, b0, b1, D, TILE)
+    return m0, m1, l0, l1

@@ -2,7 +2,7 @@
 
 Provenance: the hand-written Flint decode kernel (shared/seeds/000_*.txt),
 ``issue`` and ``load_page``, split out as free functions and generalized over
-head_dim ``D`` (64, 128) and the cache page size (16, 32, 64 tokens).
+head_dim ``D`` (64, 96, 128, 256) and the cache page size (16, 32, 64 tokens).
 
 Cache layout (HND, bf16: ``EB`` = 2 bytes per element; the numbers and
 shapes live in flintgen/layout.py), ``PAGE`` tokens per block::
@@ -26,6 +26,12 @@ Lane ``(g, t) = (lane // 4, lane % 4)`` fragments after ``load_page``
                                    (r < 2, i < D / 32, j < 4)
     frag[VO + VR r + 4 h + j]      V token 2 t + r % 2 + 8 (r // 2),
                                    dims 64 h + 8 g + 2 j, +1   (r < 4, h < D / 64)
+    frag[VO + VR r + 4 h + j]      the trailing 32 dims of D = 96 (h = 1):
+                                   dims 64 + 4 g + 2 j, +1     (j < 2)
+
+head_dim 256 holds K and V in turn (``load_k``, then ``load_v`` into the same
+D / 4 words once the scores are done): D / 2 words of both would not leave
+room for the accumulators in 255 registers.
 
 At D = 128 that is ``frag[16 r + 4 i + j]`` and ``frag[32 + 8 r + 4 h + j]``.
 """
@@ -37,7 +43,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from flintgen.device import ptx
-from flintgen.device.attn_ptx import selp_u32
+from flintgen.device.attn_ptx import lds_u32x2, selp_u32
 from flintgen.layout import SLICE_TOKENS, kv_dtype
 
 # The fragments below are bf16 pairs (one u32 = 2 elements): this module's
@@ -89,25 +95,33 @@ def block_ids_sliced(bt_row, slice0, stride, first, n_w, lane, SPP: cutlass.Cons
 
 
 @cute.jit
-def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
-    """Fill ``frag`` (D / 2 x Uint32, layout in the module docstring) from the
-    ring slot at shared address ``slot`` holding sequence slice ``slc``
-    (tokens ``16 slc ..``).
+def load_k(frag, slot, g, t, D: cutlass.Constexpr):
+    """K fragments of the slice in the ring slot at shared address ``slot``:
+    ``frag[KO r + 4 i + j]`` (D / 4 x Uint32, layout in the module docstring)."""
+    ROW = 2 * D * EB    # one token's K | V row
+    KO = D // 8
+    for r in cutlass.range_constexpr(2):
+        for i in cutlass.range_constexpr(D // 32):
+            w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW + (32 * i + 8 * t) * EB)
+            for j in cutlass.range_constexpr(4):
+                frag[KO * r + 4 * i + j] = w[j]
+
+
+@cute.jit
+def load_v(frag, VO: cutlass.Constexpr, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
+    """V fragments of slice ``slc`` (tokens ``16 slc ..``) in the ring slot at
+    ``slot``: ``frag[VO + VR r + j]`` (D / 4 x Uint32 from ``VO``; word ``j``
+    of a token holds dims ``decode_mma.pv_dims(j, D)``). A 64-dim group is one
+    16-byte load per token (dims ``64 h + 8 g ..``), a trailing 32-dim group
+    (head_dim 96) one 8-byte load (dims ``64 h + 4 g ..``).
 
     V rows of tokens outside ``[start_tok, seq_len)`` are zeroed: their
     probabilities are 0, but stale cache contents (NaN, Inf) would still turn
     0 * V into NaN in P V. Masked K rows need nothing: their scores are
     replaced by -inf.
     """
-    ROW = 2 * D * EB    # one token's K | V row
-    KO = D // 8
-    VO = D // 4
+    ROW = 2 * D * EB
     VR = D // 16
-    for r in cutlass.range_constexpr(2):
-        for i in cutlass.range_constexpr(D // 32):
-            w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW + (32 * i + 8 * t) * EB)
-            for j in cutlass.range_constexpr(4):
-                frag[KO * r + 4 * i + j] = w[j]
     vbase = slot + D * EB
     for r in cutlass.range_constexpr(4):
         tok = 2 * t + (r % 2) + 8 * (r // 2)
@@ -115,6 +129,11 @@ def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
             w = ptx.lds_u32x4(vbase + tok * ROW + (64 * h + 8 * g) * EB)
             for j in cutlass.range_constexpr(4):
                 frag[VO + VR * r + 4 * h + j] = w[j]
+        if cutlass.const_expr(D % 64):
+            h = D // 64
+            w2 = lds_u32x2(vbase + tok * ROW + (64 * h + 4 * g) * EB)
+            for j in cutlass.range_constexpr(2):
+                frag[VO + VR * r + 4 * h + j] = w2[j]
     p0 = slc * SLICE_TOKENS
     if (p0 < start_tok) | (p0 + SLICE_TOKENS > seq_len):
         zero = Uint32(0)
@@ -123,3 +142,11 @@ def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
             ok = Int32((pos >= start_tok) & (pos < seq_len))
             for j in cutlass.range_constexpr(VR):
                 frag[VO + VR * r + j] = selp_u32(frag[VO + VR * r + j], zero, ok)
+
+
+@cute.jit
+def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
+    """Fill ``frag`` (D / 2 x Uint32: K from 0, V from D / 4) from the ring
+    slot at shared address ``slot`` holding sequence slice ``slc``."""
+    load_k(frag, slot, g, t, D)
+    load_v(frag, D // 4, slot, slc, start_tok, seq_len, g, t, D)

@@ -106,7 +106,7 @@ class DecodeAttentionDef(KernelDef):
                  kv_type=layout.kv_dtype(lay.kv_dtype).cutlass_type, kv_elem_bytes=lay.kv_elem_bytes,
                  q_elem_bytes=layout.Q_ELEM_BYTES,
                  slice_bytes=lay.slice_bytes, head_tile=lay.tile, num_tiles=lay.num_tiles,
-                 tile_rows=lay.tile_rows)
+                 tile_rows=lay.tile_rows, kv_parts=cfg.kv_parts)
         return p
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "DecodeAttentionOp":
@@ -300,8 +300,8 @@ class DecodeAttentionOp:
                                        "which must not be inside a CUDA-graph capture: call op.warmup(device) "
                                        "(or flintgen.warmup(spec)) before capturing")
                 n = max(self._max_partials, 1)
-                # Partials cover the padded head tiles (GQA 4 computes 8 heads).
-                g, d = self.layout.tile_rows, self.head_dim
+                # Partials hold the real heads only (padded tile heads publish nothing).
+                g, d = self.layout.q_rows, self.head_dim
                 ws = _Workspace(
                     torch.empty(n * g * d, dtype=torch.float32, device=device),
                     torch.empty(n * 2 * g, dtype=torch.float32, device=device),
