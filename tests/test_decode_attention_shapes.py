@@ -28,7 +28,7 @@ from flintgen.kernels.decode_attention import DecodeAttentionDef
 from flintgen.layout import AttentionLayout
 from flintgen.presets import FLINT
 
-from decode_attention_cases import Case, lens_for, record, refill
+from decode_attention_cases import Case, lens_for, precompile, record, refill
 
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
@@ -398,40 +398,21 @@ def test_emulated_block_id_window_of_long_pages():
 
 
 # ----------------------------------------------------------------- GPU
-def planned_variants(target):
-    """{variant name: (spec, variant)} of every launch the GPU tests below make."""
+def planned_plans():
+    """(spec, [(window, batch), ...]) of every launch the GPU tests below make."""
     plans = _shape_plans() + [(s, GPT_OSS_PLAN) for s in GPT_OSS_TP.values()] + _graph_plans()
     plans += [(s, [(w, len(edge_lens(16)) + 4) for w in (128, None)]) for s in GPT_OSS_TP.values()]
     plans += [(shape_spec(4, 64, 32), PADDED_PLAN)]
-    out = {}
-    for spec, plan in plans:
-        op = KDEF.bind(spec, target, _no_load)
-        for window, b in plan:
-            v = op._variants[window is not None][b]
-            out.setdefault(v.name, (spec, v))   # the binary depends on the variant alone
-    return out
+    return plans
 
 
 @pytest.fixture(scope="module")
 def precompiled():
-    """Compile every variant the GPU tests below launch, in parallel (one
-    process per CPU core), into the default cache before the first launch."""
-    import concurrent.futures as cf
-    import multiprocessing
-    import os
-
+    """Every variant the GPU tests below launch, compiled up front in parallel."""
     from flintgen import toolchain
-    from flintgen.cli import _build_one
 
-    target = toolchain.resolve_target()
-    todo = planned_variants(target)
-    root = cache.default_root()
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
-        futs = [pool.submit(_build_one, spec, "decode_attention", v, target, root) for spec, v in todo.values()]
-        for f in cf.as_completed(futs):
-            f.result()
-    record(f"precompiled {len(todo)} decode-attention variants")
+    record(f"precompiled {precompile(planned_plans(), KDEF, toolchain.resolve_target(), _no_load)} "
+           "decode-attention variants")
 
 
 @pytest.mark.gpu
@@ -469,16 +450,19 @@ def test_gpt_oss(precompiled, tp):
 
 def _graph_plans():
     return [(shape_spec(4, 64, 32, kv=2), [(128, 2), (None, 3)]),
-            (shape_spec(16, 128, 64, kv=2), [(None, 1), (128, 20)])]
+            (shape_spec(16, 128, 64, kv=2), [(None, 1), (128, 20)]),
+            (shape_spec(1, 96, 16, kv=2), [(None, 1), (128, 3)]),
+            (shape_spec(2, 256, 16, kv=2), [(None, 2), (128, 20)])]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
 def test_cuda_graph_replay(precompiled, which):
     """Graphs of a cluster launch and a global-partials launch of padded
-    (GQA 4, d64, page 32) and two-tile (GQA 16, d128, page 64) shapes,
-    replayed 60 times with lengths and block tables changed in place: the
-    workspace (sized for padded / tiled heads) and counters stay valid."""
+    (GQA 4, d64, page 32; MHA at d96), two-tile (GQA 16, d128, page 64) and
+    K-then-V (GQA 2, d256) shapes, one per head dim, replayed 60 times with
+    lengths and block tables changed in place: the workspace (sized by the
+    real heads) and counters stay valid."""
     import flintgen
 
     spec, plan = _graph_plans()[which]

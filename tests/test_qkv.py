@@ -613,3 +613,12 @@ def test_composes_with_decode_attention(ops):
     ek = rel_error(out, ref)
     et = rel_error(decode_attention_seed_rounding(*a), ref)
     assert ek <= 2 * et + 1e-6 and ek < 1e-2, (ek, et)
+
+
+def test_head_dim_96_is_refused_until_supported():
+    """The spec admits head_dim 96 (decode attention runs it); the fused QKV
+    step refuses it at build time and says how to build attention alone."""
+    spec = FLINT.replace(head_dim=96, num_q_heads=32, num_kv_heads=32, hidden_size=3072)
+    with pytest.raises(NotImplementedError, match=r"qkv: head_dim = 96 is not supported .*\[64, 128, 256\]\)\. "
+                                                  r"Decode attention supports it: .*--kernel decode_attention"):
+        QKVDef().variants(spec, Target("sm_90a", 132))

@@ -2,12 +2,14 @@
 
     compute-sanitizer --tool memcheck python tools/sanitize_decode.py 3:128:16 12:64:32 ...
 
-Each argument is ``gqa:head_dim:page``; every one runs its windowed (128) and
-full-attention launch at batch 1 (global split partials merged, several
-splits) and batch 3 (cluster or few splits), with seq_lens 0, 1 and slice /
-page / window edges, and checks each output against the fp64 reference
-(tests/decode_attention_cases.py). Sizes are kept small: racecheck slows a
-launch down by orders of magnitude.
+Each argument is ``gqa:head_dim:page[:kv_heads[:long]]`` (kv heads default
+2, ``long`` 700 tokens); every one runs its windowed (128) and full-attention
+launch at batch 1 (one request of ``long`` tokens: global split partials
+merged, several splits; ``8:128:16:2:33000`` selects the 4-CTA merge of 66
+splits, ``8:64:16:1:33000`` gpt-oss at TP 8) and batch 3 (cluster or few
+splits), with seq_lens 0, 1 and slice / page / window edges, and checks each
+output against the fp64 reference (tests/decode_attention_cases.py). Sizes
+are kept small: racecheck slows a launch down by orders of magnitude.
 """
 
 import os
@@ -22,16 +24,17 @@ from flintgen.presets import FLINT  # noqa: E402
 
 def main(shapes):
     for arg in shapes:
-        gqa, d, page = (int(x) for x in arg.split(":"))
-        spec = FLINT.replace(name=f"san-g{gqa}-d{d}-p{page}", num_q_heads=2 * gqa, num_kv_heads=2, head_dim=d,
-                             page_size=page, max_batch=4)
+        gqa, d, page, kv, long = ([int(x) for x in arg.split(":")] + [2, 700][len(arg.split(":")) - 3:])[:5]
+        spec = FLINT.replace(name=f"san-g{gqa}-d{d}-p{page}-kv{kv}", num_q_heads=kv * gqa, num_kv_heads=kv,
+                             head_dim=d, page_size=page, max_batch=4)
         op = flintgen.get_kernel(spec, "decode_attention")
         for window in (128, None):
-            for lens in ([700], [0, 1, page + 1], [129, 17, 2 * page]):
+            for lens in ([long], [0, 1, page + 1], [129, 17, 2 * page]):
                 case = Case(spec, lens, window, seed=len(lens) + gqa)
                 out = case.poisoned_out()
                 op(*case.args(out))
-                case.check(out, f"{spec.name} window={window} lens={lens}")
+                case.check(out, f"{spec.name} window={window} lens={lens} "
+                                f"{op.config(len(lens), window is not None).as_params()}")
     print("sanitize_decode: all outputs match the reference")
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 MAX_CLUSTER = 8          # portable cluster-size limit (no opt-in attribute needed)
 K_STEP = 64              # k per warp step: 4 threads x 16 values (one NVFP4 scale block each)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)   # tested head dims (the spec also admits 96, for decode attention)
 PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights
 # Registers per thread the prefetched weights may take once some of them are
 # dequantized before the grid wait: flint's 32-row CTAs use 88 (+ 38 others =
@@ -102,6 +103,12 @@ class QKVConfig:
             raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: "
                              f"it must be a multiple of {K_STEP} (one 64-value step per quad); "
                              "pad the hidden size")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise NotImplementedError(
+                f"qkv: head_dim = {head_dim} is not supported by the fused QKV step yet (supported: "
+                f"{list(SUPPORTED_HEAD_DIMS)}). Decode attention supports it: build that kernel alone "
+                "(flintgen build --kernel decode_attention, get_kernel(spec, 'decode_attention'))."
+            )
         rows = 16 if head_dim <= 64 else 32
         cluster = head_dim // rows
         if cluster > MAX_CLUSTER:

@@ -1,0 +1,188 @@
+"""Decode attention over the grid of attention shapes real models use.
+
+Grid (per rank): GQA 1, 2, 3, 5, 6, 7, 8, 12, 16 x head_dim 64, 96, 128, 256
+(256 for GQA <= 8; two head tiles at 256 are refused at build time) x full
+attention / short window (the cluster path) / long window (4096: the split
+path) x kv heads 1 and 8 x pages 16 and 64, max_batch 256.
+
+* CPU: every grid point's launch configurations validate (shared memory,
+  epilogue, merge and cluster mappings), and the refusal at 256 x GQA > 8.
+* ``compile`` (CI, sm_90a): the code-path families of the grid, each at its
+  register-heaviest member (most splits), compile with the design's PTX and
+  no spills, stack or local memory. A family is everything a binary's code
+  depends on: GQA, head_dim, the page's slice count, sliding, cluster, warps,
+  split or not, the merge (merge_ctas, merge_from > 0); kv heads change only
+  the grid's y extent and which families a batch picks, so both kv counts'
+  families are compiled once each.
+* ``gpu`` (H200): every (GQA, head_dim) at B = 1, 3 and 64, full attention
+  and window 128, mixed lengths (0, 1, slice / page / window edges, up to
+  5k) against the fp64 reference with the existing bound; long windows 512,
+  1024, 2047 and 4096 on the split path at W - 1, W, W + 1.
+"""
+
+import random
+
+import pytest
+
+from flintgen import cache
+from flintgen.configs import decode_attention_config as dac
+from flintgen.kernels.base import Target
+from flintgen.kernels.decode_attention import DecodeAttentionDef
+from flintgen.presets import FLINT
+
+from decode_attention_cases import Case, lens_for, precompile, record
+
+KDEF = DecodeAttentionDef()
+T132 = Target("sm_90a", 132)
+GRID_GQA = (1, 2, 3, 5, 6, 7, 8, 12, 16)
+GRID_DIMS = (64, 96, 128, 256)
+PAIRS = [(g, d) for d in GRID_DIMS for g in GRID_GQA if not (d == 256 and g > 8)]
+WINDOWS = (None, 128, 4096)          # full; short (cluster path); long (split path)
+LONG_WINDOWS = (512, 1024, 2047, 4096)
+
+
+def grid_spec(gqa, head_dim, *, kv=8, page=16, window=None, sinks=True, max_batch=256):
+    kinds = ("full",) if window is None else ("sliding", "full")
+    return FLINT.replace(name=f"grid-g{gqa}-d{head_dim}-kv{kv}-p{page}-w{window}-{'s' if sinks else 'n'}",
+                         num_q_heads=gqa * kv, num_kv_heads=kv, head_dim=head_dim, page_size=page,
+                         sinks=sinks, sliding_window=window, layer_types=kinds, max_batch=max_batch)
+
+
+def _no_load(v):
+    raise AssertionError("no kernel load expected")
+
+
+def _pid(pair):
+    return "g{}-d{}".format(*pair)
+
+
+# ----------------------------------------------------------------- heuristics
+@pytest.mark.parametrize("gqa, head_dim", PAIRS, ids=[_pid(p) for p in PAIRS])
+def test_grid_configs_valid(gqa, head_dim):
+    for kv in (1, 8):
+        for window in WINDOWS + LONG_WINDOWS:
+            for sms in (132, 114):
+                cfgs = dac.all_configs(max_batch=256, num_kv_heads=kv, sliding=window is not None, window=window,
+                                       head_dim=head_dim, gqa=gqa, page_size=16, num_sms=sms)
+                for b, c in cfgs.items():        # __post_init__ validated smem, epilogue, merge, cluster
+                    assert (c.head_dim, c.gqa) == (head_dim, gqa)
+                    assert c.cluster == (window is not None and dac.is_short_window(window) and b * kv <= 64)
+                    assert c.kv_parts == (2 if head_dim == 256 else 1)
+                    assert c.ring_bytes + 4 * c.cluster_floats <= dac.SMEM_PER_CTA_MAX
+                assert dac.max_partials(cfgs, kv) <= 2 * sms
+
+
+@pytest.mark.parametrize("gqa", [9, 12, 16])
+def test_head_dim_256_with_two_tiles_is_refused(gqa):
+    with pytest.raises(NotImplementedError, match=rf"head_dim = 256 with GQA {gqa} is not supported"):
+        KDEF.variants(grid_spec(gqa, 256, kv=2), T132)
+
+
+# ----------------------------------------------------------------- compile (CI)
+def family(v):
+    return (v["gqa"], v["head_dim"], v["page_size"] > 16, v["sliding"], v["cluster"], v["num_warps"],
+            v["num_splits"] > 1, v["merge_ctas"], v["merge_from"] > 0)
+
+
+def grid_families():
+    """{family: (spec, variant)}: the most-split variant of each family over
+    the grid (both kv counts, pages 16 and 64, every window kind)."""
+    fams = {}
+    for gqa, d in PAIRS:
+        for kv in (1, 8):
+            for page in (16, 64):
+                for window in WINDOWS:
+                    spec = grid_spec(gqa, d, kv=kv, page=page, window=window)
+                    for v in KDEF.variants(spec, T132):
+                        k = family(v)
+                        if k not in fams or fams[k][1]["num_splits"] < v["num_splits"]:
+                            fams[k] = (spec, v)
+    return fams
+
+
+_FAMILIES = grid_families()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("key", sorted(_FAMILIES, key=str), ids=lambda k: "-".join(map(str, k)))
+def test_grid_family_compiles_clean(key):
+    from flintgen.runtime import load_variant
+
+    spec, v = _FAMILIES[key]
+    load_variant(KDEF, spec, v, T132)   # default cache root: reused across runs
+    entry = cache.make_entry(v, KDEF.template, dict(KDEF.render_params(spec, v)), T132)
+    res = cache.read_meta(entry)["resources"]
+    assert res["registers"] is not None and res["registers"] <= 255, res
+    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
+    assert res["stack_bytes"] == 0 and not res["local_memory"], res
+    with open(entry.path("kernel.ptx")) as f:
+        ptx = f.read()
+    assert ".target sm_90a" in ptx
+    for need in KDEF.required_ptx:
+        assert need in ptx, need
+    assert ("mapa.shared::cluster" in ptx) == v["cluster"]
+
+
+# ----------------------------------------------------------------- GPU
+GPU_PLAN = [(None, 1), (None, 3), (None, 64), (128, 1), (128, 3), (128, 64)]
+LEN_CAP = 5000
+
+
+def _edges(page, window):
+    return [0, 1, 2, 15, 16, 17, page - 1, page, page + 1, window - 1, window, window + 1, 4999]
+
+
+def _gpu_spec(gqa, d):
+    return grid_spec(gqa, d, kv=2, window=128, sinks=gqa % 2 == 1, max_batch=64)
+
+
+def _long_specs():
+    return [grid_spec(g, d, kv=2, window=4096, max_batch=4) for g, d in ((1, 96), (7, 128), (2, 256), (16, 64))]
+
+
+@pytest.fixture(scope="module")
+def precompiled_grid():
+    from flintgen import toolchain
+
+    plans = [(_gpu_spec(g, d), GPU_PLAN) for g, d in PAIRS] + [(s, [(4096, 4)]) for s in _long_specs()]
+    record(f"precompiled {precompile(plans, KDEF, toolchain.resolve_target(), _no_load)} grid variants")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa, head_dim", PAIRS, ids=[_pid(p) for p in PAIRS])
+def test_grid_shape(precompiled_grid, gqa, head_dim):
+    """B = 1, 3, 64 x full / window 128: lengths that activate every split of
+    the batch's launch, the edge lengths in the B = 64 launch, fresh inputs,
+    poisoned outputs (sinks on for odd GQA)."""
+    import flintgen
+
+    spec = _gpu_spec(gqa, head_dim)
+    op = flintgen.get_kernel(spec, "decode_attention")
+    rnd = random.Random(gqa * 1000 + head_dim)
+    for window, b in GPU_PLAN:
+        cfg = op.config(b, window is not None)
+        lens = lens_for(cfg, b, window is not None, 128, rnd, spec.page_size, LEN_CAP)
+        if b == 64:
+            edges = _edges(spec.page_size, 128)
+            lens[1:1 + len(edges)] = edges
+        case = Case(spec, lens, window, seed=rnd.randint(0, 2**31))
+        out = case.poisoned_out()
+        op(*case.args(out))
+        case.check(out, f"grid {spec.name} window={window} b={b} {cfg.as_params()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(4))
+def test_long_windows_on_the_split_path(precompiled_grid, idx):
+    """A spec window of 4096 takes the split path; runtime windows 512, 1024,
+    2047 and 4096 (same binary) at W - 1, W, W + 1 and 5000 tokens."""
+    import flintgen
+
+    spec = _long_specs()[idx]
+    op = flintgen.get_kernel(spec, "decode_attention")
+    assert not op.config(4, True).cluster
+    for w in LONG_WINDOWS:
+        case = Case(spec, [w - 1, w, w + 1, 5000], w, seed=w + idx)
+        out = case.poisoned_out()
+        op(*case.args(out))
+        case.check(out, f"long window {spec.name} W={w} {op.config(4, True).as_params()}")
