@@ -4,12 +4,19 @@ flint HND cache, with the read-bandwidth floor measured in the same process.
     python -m benchmarks.decode_attention [--quick] [--runs 3]
     python -m benchmarks.decode_attention --gpt-oss [--runs 1]
     python -m benchmarks.decode_attention --shapes [--runs 3]
+    python -m benchmarks.decode_attention --models --group 1|2 [--runs 3]
+    python -m benchmarks.decode_attention --models --list          # the row plan, no GPU
 
 ``--gpt-oss`` times head_dim 64 with gpt-oss-20b's heads per rank (64/8,
 32/4, 8/1: TP 1, 2, 8), window 128 and full attention, B in {1, 8, 64, 256},
 L in {1k, 8k, 32k}, and writes decode_attention_gpt_oss.{md,json}. Each
 (heads, B, L) cache is allocated for its rows and freed after (B=256 x 32k x
 8 kv heads x d64 is 17 GB).
+
+``--models`` times real models' per-rank shapes (benchmarks/models.py: the
+table, the rows, the two groups of one GPU run each) and writes
+decode_attention_models_g<N>.{md,json}; ``--merge`` joins the groups' JSON
+into decode_attention_models.{md,json} on any machine.
 
 Method (as the peer table was timed): 20 identical calls per CUDA graph,
 median replay; PDL on wherever a kernel has it (flintgen's kernel always
@@ -21,6 +28,7 @@ and the spread (max - min) across runs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -28,7 +36,7 @@ import torch
 import flintgen
 from flintgen.layout import AttentionLayout
 from benchmarks.harness import Row, read_bandwidth, time_graph, write_results
-from benchmarks.peers import PEERS
+from benchmarks.peers import PEER_SOFTCAP, PEERS
 
 FLINT = flintgen.get_preset("flint")
 TP2 = FLINT.replace(tp_size=2)                                # 16 q / 2 kv per rank
@@ -66,9 +74,9 @@ GOAL_ROWS = [
 class Case:
     """A paged cache with random contents and a random page permutation."""
 
-    def __init__(self, spec, batch, seq_lens, window, copies=1, seed=0, lean=False):
+    def __init__(self, spec, batch, seq_lens, window, copies=1, seed=0, lean=False, softcap=None):
         g = torch.Generator(device="cuda").manual_seed(seed)
-        self.spec, self.window = spec, window
+        self.spec, self.window, self.softcap = spec, window, softcap
         hq, hkv, d, page = spec.q_heads_per_rank, spec.kv_heads_per_rank, spec.head_dim, spec.page_size
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
         self.max_len = int(max(seq_lens))
@@ -84,7 +92,7 @@ class Case:
         self.bts = [torch.randperm(nblocks, device="cuda", generator=g).int().view(batch, max_blocks)
                     for _ in range(copies)]
         self.q = torch.randn(batch, hq, d, device="cuda", generator=g).bfloat16()
-        self.sinks = torch.randn(hq, device="cuda", generator=g)
+        self.sinks = torch.randn(hq, device="cuda", generator=g) if spec.sinks else None
         self.out = torch.empty_like(self.q)
         self.scale = spec.scale
         self.set_window(window)
@@ -101,29 +109,36 @@ class Case:
     def flintgen_fn(self):
         op = flintgen.get_kernel(self.spec, "decode_attention")
         it = {"i": 0}
+        # Soft-cap where the spec asks for it (TODO(softcap): models.SOFTCAP_API guards the field today).
+        kw = {"softcap": self.softcap} if self.softcap and getattr(self.spec, "attn_logit_softcap", False) else {}
 
         def fn():
             i = it["i"] = (it["i"] + 1) % len(self.kvs)
-            op(self.q, self.kvs[i], self.bts[i], self.seq_lens, self.sinks, self.window, self.scale, self.out)
+            op(self.q, self.kvs[i], self.bts[i], self.seq_lens, self.sinks, self.window, self.scale, self.out, **kw)
 
         return fn
 
     def peer_fn(self, name):
+        kw = {"softcap": self.softcap} if self.softcap and name in PEER_SOFTCAP else {}
         return PEERS[name](self.q, self.kvs[0], self.bts[0], self.seq_lens, self.sinks, self.window,
-                           self.scale, self.max_len)
+                           self.scale, self.max_len, **kw)
 
 
 def _label(spec):
     return f"{spec.q_heads_per_rank}/{spec.kv_heads_per_rank}"
 
 
-def measure(case, peers=True):
-    ours = time_graph(case.flintgen_fn())["median_us"]
-    res = {"flintgen": ours}
+def measure(case, peers=True, refused=None):
+    """µs of flintgen and each peer; ``refused``: flintgen's reason not to
+    take the shape, recorded instead of its time (a peer's reason likewise)."""
+    res = {"flintgen": refused or time_graph(case.flintgen_fn())["median_us"]}
     if peers:
         for name in PEERS:
             fn, why = case.peer_fn(name)
-            res[name] = time_graph(fn)["median_us"] if fn else why
+            try:
+                res[name] = time_graph(fn)["median_us"] if fn else why
+            except RuntimeError as e:    # e.g. a peer that cannot be captured in a CUDA graph
+                res[name] = f"{name} timing failed: {type(e).__name__}: {e}"
     return res
 
 
@@ -131,18 +146,18 @@ def summarize(per):
     """Median over runs of flintgen and each peer, with spreads; a peer that
     failed records its error instead. ``per``: one ``measure`` dict per run.
     ``extra["beats_peers_beyond_spread"]``: flintgen's median + both spreads
-    is below every timed peer's median."""
-    ours = [p["flintgen"] for p in per]
-    peers, extra = {}, {"spread_us": max(ours) - min(ours)}
-    for name in PEERS:
+    is below every timed peer's median. Where flintgen refused the shape the
+    median is None and its reason is ``extra["flintgen_error"]``."""
+    peers, extra = {}, {}
+    for name in ("flintgen", *PEERS):
         vals = [p[name] for p in per]
         if all(isinstance(v, float) for v in vals):
             peers[name] = statistics.median(vals)
-            extra[f"{name}_spread_us"] = max(vals) - min(vals)
+            extra["spread_us" if name == "flintgen" else f"{name}_spread_us"] = max(vals) - min(vals)
         else:
             extra[f"{name}_error"] = next(v for v in vals if not isinstance(v, float))
-    med = statistics.median(ours)
-    extra["beats_peers_beyond_spread"] = all(
+    med = peers.pop("flintgen", None)
+    extra["beats_peers_beyond_spread"] = med is not None and all(
         med + extra["spread_us"] + extra[f"{n}_spread_us"] < peers[n] for n in peers)
     return med, peers, extra
 
@@ -152,7 +167,6 @@ def _precompile(plan):
     processes before timing (a first call would otherwise compile inline)."""
     import concurrent.futures as cf
     import multiprocessing
-    import os
 
     from flintgen import cache, toolchain
     from flintgen.cli import _build_one
@@ -235,6 +249,90 @@ def shapes(runs, bw):
                 print(r.case["GQA"], r.case["head_dim"], r.case["page"], r.case["B"], k, v)
 
 
+def _short(why, n=72):
+    """First line of a refusal, cut for a table cell."""
+    line = str(why).strip().splitlines()[0] if why else ""
+    return (line[:n] + "…" if len(line) > n else line).replace("|", "/")
+
+
+def models_table(name, rows, runs, bw):
+    """The --models table (benchmarks/models.py): each row on its own cache,
+    timed ``runs`` times back to back, then freed. Won = flintgen's median +
+    both spreads below XQA's median; a refusal (flintgen's, XQA's, FA4's) is
+    the cell's note instead of a time."""
+    from benchmarks import models as M
+    from flintgen import toolchain
+
+    status = [M.flintgen_status(r, toolchain.resolve_target()) for r in rows]
+    _precompile([(s, r.batch, r.window is not None) for r, (s, _) in zip(rows, status) if s])
+    out = []
+    for r, (spec, why) in zip(rows, status):
+        m = r.model
+        case = Case(spec or m, r.batch, [r.seq_len] * r.batch, r.window, lean=True, seed=r.batch + r.seq_len,
+                    softcap=m.softcap)
+        med, peers, extra = summarize([measure(case, refused=why) for _ in range(runs)])
+        floor = case.bytes / bw * 1e6
+        xqa = peers.get("XQA")
+        beats = None if med is None or xqa is None else med + extra["spread_us"] + extra["XQA_spread_us"] < xqa
+        met = None if med is None or not r.floor_goal else 100 * floor / med >= M.FLOOR_GOAL_PCT
+        notes = [f"{k[:-6]}: {_short(v)}" for k, v in extra.items() if k.endswith("_error")]
+        if m.softcap and med is not None and not getattr(spec, "attn_logit_softcap", False):
+            notes.append("flintgen without softcap (API not on this commit)")
+        if m.softcap and xqa is not None:
+            notes.append("XQA without softcap (it has none)")
+        if m.note and r.seq_len == 1024:
+            notes.append(m.note)
+        extra.update(beats_xqa_beyond_spread=beats, floor_goal_met=met, read_bandwidth_TBps=bw / 1e12,
+                     softcap=m.softcap, flintgen_softcap=bool(getattr(spec, "attn_logit_softcap", False)))
+        yes = {None: "—", True: "yes", False: "NO"}
+        won = "flintgen refused" if med is None else "XQA refused" if xqa is None else yes[beats]
+        out.append(Row({"model": m.name, "q/kv heads": m.label, "head_dim": m.head_dim, "B": r.batch,
+                        "L": r.seq_len, "window": r.window or "—",
+                        "softcap": f"{m.softcap:g}" if m.softcap else "—", "beats XQA": won,
+                        f">= {M.FLOOR_GOAL_PCT:g}% floor": yes[met] if r.floor_goal else "",
+                        "spread µs": f"{extra['spread_us']:.2f}" if med is not None else "—",
+                        "notes": "; ".join(notes)},
+                       med, floor, peers, extra))
+        print(m.name, r.describe(), "flintgen", "refused" if med is None else f"{med:.2f} us", peers, flush=True)
+        del case
+        torch.cuda.empty_cache()
+    print(write_results(name, out, bw,
+                        f"Real models' heads per rank (TP 1), benchmarks/models.py; sinks off, 16-token pages "
+                        f"permuted, full attention unless a window is given (the Gemmas' B=32 rows: window "
+                        f"1024, their spec's sliding_window set to 1024). Median of {runs} runs and spread (max - min) per "
+                        "implementation. beats XQA: flintgen's median + both spreads below XQA's median. Floor "
+                        "= attended K|V bytes of the real head_dim / read bandwidth (padding costs no bytes); "
+                        f">= {M.FLOOR_GOAL_PCT:g}% of it is asked at B={M.FLOOR_GOAL_BATCH} x 8k. Gemma-2: "
+                        "softcap 50 for flintgen (where the API exists) and FA4; XQA has none. A refusal is "
+                        "the row's note (full text in the JSON's extra)."))
+    ran = [r for r in out if r.extra["beats_xqa_beyond_spread"] is not None]
+    print(f"flintgen beats XQA beyond the spread on {sum(r.extra['beats_xqa_beyond_spread'] for r in ran)} "
+          f"of {len(ran)} rows where both ran; >= {M.FLOOR_GOAL_PCT:g}% of the floor on "
+          f"{sum(bool(r.extra['floor_goal_met']) for r in out)} of {sum(r.case['B'] == 128 for r in out)} "
+          f"B={M.FLOOR_GOAL_BATCH} rows")
+    for r in out:
+        for k, v in r.extra.items():
+            if k.endswith("_error"):
+                print(r.case["model"], r.case["B"], r.case["L"], k, _short(v, 300))
+
+
+def models_main(args):
+    """--models: --list (no GPU), --merge (no GPU), or one group / --only."""
+    from benchmarks import models as M
+    from flintgen import toolchain
+
+    if args.list:
+        print(M.listing(toolchain.resolve_target(cpu_default=True)))
+        return
+    if args.merge:
+        results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        rows, bw, meta, notes = M.merge(results)
+        print(write_results("decode_attention_models", rows, bw, notes, out_dir=results, meta=meta))
+        return
+    name, models = M.select(args.group, args.only)
+    models_table(name, M.plan(models), args.runs or 3, read_bandwidth())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=None, help="table repeats (default 3; --gpt-oss: 1)")
@@ -243,7 +341,17 @@ def main():
                     help="gpt-oss-20b head_dim-64 table (decode_attention_gpt_oss.{md,json}) instead")
     ap.add_argument("--shapes", action="store_true",
                     help="sibling-shape table (decode_attention_shapes.{md,json}) instead")
+    ap.add_argument("--models", action="store_true",
+                    help="real models' shapes (benchmarks/models.py) vs XQA / FA4: with --group N|all or --only")
+    ap.add_argument("--group", help="--models: the group of rows to time (1, 2; all = every row)")
+    ap.add_argument("--only", help="--models: comma-separated model names instead of a group")
+    ap.add_argument("--list", action="store_true", help="--models: print the row plan and exit (no GPU)")
+    ap.add_argument("--merge", action="store_true",
+                    help="--models: join results/decode_attention_models_g*.json into decode_attention_models")
     args = ap.parse_args()
+    if args.models:
+        models_main(args)
+        return
     if args.gpt_oss:
         gpt_oss(args.runs or 1, read_bandwidth())
         return

@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_run.sh attention        # decode table vs XQA + FA4, 3 runs (+ extra rows)
 #   bash benchmarks/gpu_run.sh gpt-oss          # head_dim-64 gpt-oss table, 3 runs
 #   bash benchmarks/gpu_run.sh shapes           # sibling shapes (GQA 4/16, d64, pages 32/64), 3 runs
+#   bash benchmarks/gpu_run.sh models1          # real models' shapes, group 1 (21 rows), 3 runs; models2 likewise
 #   bash benchmarks/gpu_run.sh qkv              # QKV step and GEMV benchmark
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep
 #
@@ -26,6 +27,8 @@ for what in "$@"; do
         attention) python3 -m benchmarks.decode_attention --runs 3 2>&1 | tee "$OUT/decode_attention.log" | tail -30 ;;
         gpt-oss) python3 -m benchmarks.decode_attention --gpt-oss --runs 3 2>&1 | tee "$OUT/gpt_oss.log" | tail -5 ;;
         shapes) python3 -m benchmarks.decode_attention --shapes --runs 3 2>&1 | tee "$OUT/shapes.log" | tail -30 ;;
+        models1|models2) python3 -m benchmarks.decode_attention --models --group "${what#models}" --runs 3 2>&1 \
+               | tee "$OUT/$what.log" | tail -30 ;;
         qkv) python3 -m benchmarks.qkv 2>&1 | tee "$OUT/qkv.log" | tail -30 ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;

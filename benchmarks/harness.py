@@ -72,17 +72,18 @@ def time_graph(fn: Callable[[], object], calls: int = 20, replays: int | None = 
 
 @dataclass
 class Row:
-    """One measured case: our time, the floor, and peers' times (µs)."""
+    """One measured case: our time (None where flintgen refused the shape),
+    the floor, and peers' times (µs)."""
 
     case: dict
-    flintgen_us: float
+    flintgen_us: float | None
     floor_us: float | None = None
     peers_us: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     @property
     def pct_of_floor(self) -> float | None:
-        return 100.0 * self.floor_us / self.flintgen_us if self.floor_us else None
+        return 100.0 * self.floor_us / self.flintgen_us if self.floor_us and self.flintgen_us else None
 
 
 def device_info() -> dict:
@@ -102,13 +103,16 @@ def commit() -> str:
 
 
 def write_results(name: str, rows: list[Row], bandwidth: float, notes: str = "",
-                  out_dir: str | None = None) -> str:
+                  out_dir: str | None = None, meta: dict | None = None) -> str:
     """Write ``<name>.json`` and ``<name>.md`` under $OUT (device runs) or
-    benchmarks/results/; returns the markdown table."""
+    benchmarks/results/; returns the markdown table. ``meta``: date, commit,
+    device and its fields from earlier runs (tables merged on a machine
+    without a GPU) instead of this process's."""
     out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit(), "read_bandwidth_TBps": bandwidth / 1e12, **device_info(), "notes": notes}
+    meta = {"benchmark": name, **(meta or {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+        **device_info()}), "read_bandwidth_TBps": bandwidth / 1e12, "notes": notes}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": [dict(asdict(r), pct_of_floor=r.pct_of_floor) for r in rows]}, f,
                   indent=1)
@@ -122,7 +126,8 @@ def write_results(name: str, rows: list[Row], bandwidth: float, notes: str = "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r.case[k]) for k in case_keys]
-        cells += [f"{r.flintgen_us:.2f}", f"{r.floor_us:.2f}" if r.floor_us else "—",
+        cells += [f"{r.flintgen_us:.2f}" if r.flintgen_us is not None else "—",
+                  f"{r.floor_us:.2f}" if r.floor_us else "—",
                   f"{r.pct_of_floor:.0f}%" if r.pct_of_floor else "—"]
         cells += [f"{r.peers_us[p]:.2f}" if p in r.peers_us else "—" for p in peers]
         lines.append("| " + " | ".join(cells) + " |")

@@ -9,7 +9,9 @@ import torch
 
 def xqa(q, kv, block_tables, seq_lens, sinks, window, scale, max_len):
     """FlashInfer's XQA (bf16 KV runs its generic mma.sync kernel on sm_90),
-    with its own zeroed workspace (sharing one with another wrapper gave NaN)."""
+    with its own zeroed workspace (sharing one with another wrapper gave NaN).
+    ``sinks`` None: no sinks. XQA has no logit soft-cap (no ``softcap``
+    argument: a soft-capped model's XQA rows run without it)."""
     try:
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache
     except Exception as e:  # noqa: BLE001
@@ -31,9 +33,9 @@ def xqa(q, kv, block_tables, seq_lens, sinks, window, scale, max_len):
     return fn, None
 
 
-def fa4(q, kv, block_tables, seq_lens, sinks, window, scale, max_len):
-    """FA4 (flash_attn.cute) paged varlen forward with learnable sinks; on sm_90
-    it has no split-KV."""
+def fa4(q, kv, block_tables, seq_lens, sinks, window, scale, max_len, softcap=None):
+    """FA4 (flash_attn.cute) paged varlen forward with learnable sinks (None:
+    none) and an optional logit soft-cap; on sm_90 it has no split-KV."""
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func
     except Exception as e:  # noqa: BLE001
@@ -46,7 +48,7 @@ def fa4(q, kv, block_tables, seq_lens, sinks, window, scale, max_len):
         return flash_attn_varlen_func(
             q4, k, v, seqused_k=seq_lens, page_table=block_tables, softmax_scale=scale,
             window_size=(window - 1, 0) if window else (None, None), learnable_sink=sinks,
-            max_seqlen_q=1, max_seqlen_k=max_len)
+            max_seqlen_q=1, max_seqlen_k=max_len, **({"softcap": softcap} if softcap else {}))
 
     try:
         fn()
@@ -57,3 +59,4 @@ def fa4(q, kv, block_tables, seq_lens, sinks, window, scale, max_len):
 
 
 PEERS = {"XQA": xqa, "FA4": fa4}
+PEER_SOFTCAP = {"FA4"}     # peers that take softcap=
