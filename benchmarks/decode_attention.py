@@ -330,6 +330,10 @@ def models_main(args):
         print(write_results("decode_attention_models", rows, bw, notes, out_dir=results, meta=meta))
         return
     name, models = M.select(args.group, args.only)
+    if args.prebuild:
+        n = M.prebuild(M.plan(models), args.prebuild, toolchain.resolve_target(arch="sm_90a", num_sms=132))
+        print(f"prebuilt {n} decode-attention variants into {args.prebuild}")
+        return
     models_table(name, M.plan(models), args.runs or 3, read_bandwidth())
 
 
@@ -346,6 +350,9 @@ def main():
     ap.add_argument("--group", help="--models: the group of rows to time (1, 2; all = every row)")
     ap.add_argument("--only", help="--models: comma-separated model names instead of a group")
     ap.add_argument("--list", action="store_true", help="--models: print the row plan and exit (no GPU)")
+    ap.add_argument("--prebuild", metavar="DIR",
+                    help="--models: compile the group's flintgen variants for sm_90a (132 SMs) into cache root "
+                         "DIR and exit (no GPU; carry DIR with the aot stage)")
     ap.add_argument("--merge", action="store_true",
                     help="--models: join results/decode_attention_models_g*.json into decode_attention_models")
     args = ap.parse_args()

@@ -251,3 +251,24 @@ def merge(results_dir: str, groups=tuple(GROUPS)) -> tuple[list, float, dict, st
     notes = first["notes"] + " Merged from " + "; ".join(
         f"{m['benchmark']} ({m['date']}, commit {m['commit']}, {m['read_bandwidth_TBps']:.2f} TB/s)" for m in runs)
     return rows, first["read_bandwidth_TBps"] * 1e12, meta, notes
+
+
+def prebuild(rows: list[PlanRow], root: str, target) -> int:
+    """Compile the flintgen variants ``rows`` launch into cache root ``root``
+    (the aot stage carries no compiler to the GPU machine). Rows flintgen
+    refuses are skipped. Returns the number of variants."""
+    from flintgen.cli import _build_one
+    from flintgen.kernels import KERNELS
+
+    kdef = KERNELS["decode_attention"]
+    todo = {}
+    for row in rows:
+        spec, why = flintgen_status(row, target)
+        if spec is None:
+            continue
+        op = kdef.bind(spec, target, lambda v: None)
+        v = op._variants[row.window is not None][row.batch]
+        todo.setdefault(v.name, (spec, v))
+    for spec, v in todo.values():
+        _build_one(spec, "decode_attention", v, target, root)
+    return len(todo)
