@@ -4,7 +4,9 @@ Read from config.json: num_attention_heads, num_key_value_heads (default: MHA),
 head_dim (or hidden_size // num_attention_heads), hidden_size, rms_norm_eps,
 attention_bias, sliding_window with layer_types (or use_sliding_window),
 rope_theta and rope_scaling (default, llama3, yarn; also the transformers-5
-``rope_parameters`` form). From the model type (config.json does not say):
+``rope_parameters`` form), attn_logit_softcapping (non-null: the spec's
+``attn_logit_softcap``; the cap itself is decode attention's ``softcap``
+argument). From the model type (config.json does not say):
 attention sinks and per-head q/k RMSNorm, per ``MODEL_TYPES``.
 
 Not in config.json, so given here (defaults): page_size 16, kv_layout HND,
@@ -16,6 +18,7 @@ tp_size must then be a multiple of the kv-head count.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -101,6 +104,11 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
         layer_types = ("full",) * (layers or 1)
     if "sliding" not in layer_types:
         window = None
+    softcap = cfg.get("attn_logit_softcapping")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        problems.append(f"attn_logit_softcapping: {softcap!r} is not a finite number > 0 (the logit cap) "
+                        "or null (no capping)")
     if problems:
         raise ValueError(f"cannot map {where} to a flintgen spec: " + "; ".join(problems) +
                          ". Fix the config, or write a flintgen spec file and pass it with --spec")
@@ -109,7 +117,8 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
             name=name or cfg.get("_name_or_path") or mt, hidden_size=hidden, num_q_heads=nq, num_kv_heads=nkv,
             head_dim=head_dim, page_size=page_size, kv_cache_dtype="bf16", kv_layout="HND",
             weight_format=weight_format, qkv_bias=bool(cfg.get("attention_bias", False)), sinks=sinks,
-            sliding_window=window, layer_types=layer_types, qk_norm=qk_norm, rope_style="neox",
+            attn_logit_softcap=softcap is not None, sliding_window=window, layer_types=layer_types,
+            qk_norm=qk_norm, rope_style="neox",
             rope_theta=float(theta), rope_scaling=_ROPE_TYPES[rope_type], rope_scaling_params=params,
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_tokens=8, tp_size=tp_size, max_batch=max_batch,
         )

@@ -8,7 +8,10 @@ the file it came from.
 Runtime values (``rms_eps``, ``softmax_scale``, ``sliding_window`` length,
 ``rope_theta``) are recorded in the spec for convenience but are passed to the
 kernels as arguments, so changing them never recompiles anything; only what a
-``KernelDef`` renders into its template reaches a binary.
+``KernelDef`` renders into its template reaches a binary. Likewise
+``attn_logit_softcap`` says only that attention logits are soft-capped (a code
+path); the cap itself (Gemma 2's ``attn_logit_softcapping``, e.g. 50.0) is an
+argument of decode attention.
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ class Spec:
     Per-rank head counts (``q_heads_per_rank``, ``kv_heads_per_rank``) are
     derived from ``tp_size``: q heads are split evenly; kv heads are split when
     ``num_kv_heads >= tp_size`` and replicated (one per rank) otherwise.
+
+    ``attn_logit_softcap``: decode attention soft-caps its logits,
+    ``cap * tanh(s * scale / cap)`` before the softmax (Gemma 2); the cap is
+    the op's ``softcap`` argument. Sinks are not capped.
     """
 
     name: str = "custom"
@@ -131,6 +138,7 @@ class Spec:
     weight_format: str = "nvfp4"
     qkv_bias: bool = False
     sinks: bool = True
+    attn_logit_softcap: bool = False
     sliding_window: int | None = 128
     layer_types: tuple[str, ...] = ("sliding", "full")
     qk_norm: bool = True
@@ -164,7 +172,7 @@ class Spec:
         for f in ("hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "page_size",
                   "max_tokens", "tp_size", "max_batch"):
             _check_int(f, getattr(self, f))
-        for f in ("qkv_bias", "sinks", "qk_norm"):
+        for f in ("qkv_bias", "sinks", "attn_logit_softcap", "qk_norm"):
             _check_bool(f, getattr(self, f))
         _check_choice("head_dim", self.head_dim, SUPPORTED_HEAD_DIMS)
         _check_choice("page_size", self.page_size, SUPPORTED_PAGE_SIZES)

@@ -55,12 +55,14 @@ def _(x, residual, weight, eps, spec):
 @torch.library.custom_op("flintgen::decode_attention", mutates_args=("out",))
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, sinks: Optional[torch.Tensor], window: Optional[int],
-                     scale: float, out: torch.Tensor, spec: str) -> None:
-    _op(spec, "decode_attention")(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out)
+                     scale: float, out: torch.Tensor, spec: str, softcap: Optional[float] = None) -> None:
+    """``softcap``: the logit cap of a spec with ``attn_logit_softcap`` (None otherwise)."""
+    _op(spec, "decode_attention")(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out,
+                                  softcap=softcap)
 
 
 @decode_attention.register_fake
-def _(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, spec):
+def _(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, spec, softcap=None):
     return None
 
 

@@ -17,7 +17,8 @@ Emulated semantics:
   address with the peer's cluster rank (bit 20 up).
 * Warps: shuffles and ``mma.sync.m16n8k16`` exchange values through a
   32-thread barrier (PTX fragment layouts); fp32 math in numpy float32,
-  bf16 rounding to nearest even.
+  bf16 rounding to nearest even. ``ex2.approx`` is numpy's fp32 exp2 (within
+  1 ulp; the hardware's is within 2), ``rcp.rn`` an IEEE fp32 division.
 * mbarriers: arrival count + transaction bytes + phase; a bulk copy lands at
   once and completes its bytes. ``try_wait.parity P`` returns once the phase
   of parity P completed.
@@ -407,7 +408,20 @@ def _ptx(gmem):
     p.lds_f32x2 = lambda addr: tuple(_smem_read(int(addr), np.float32, 2))
     p.stg_f32x2 = lambda addr, a, b: gmem.write(int(addr), np.float32, [a, b])
     p.st_cluster_f32x2 = lambda addr, a, b: _smem_write(int(addr), np.float32, [a, b])
+    p.rcp_rn = _rcp_rn_ftz
     return p
+
+
+def _ftz(x):
+    """Flush subnormal fp32 values to +-0 (the ``.ftz`` of PTX); scalars or arrays."""
+    x = np.float32(x)
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.copysign(np.float32(0.0), x), x).astype(np.float32)[()]
+
+
+def _rcp_rn_ftz(x):
+    """rcp.rn.ftz.f32: numpy's fp32 division is IEEE round-to-nearest."""
+    with np.errstate(divide="ignore"):
+        return _ftz(np.float32(1.0) / _ftz(x))
 
 
 # ----------------------------------------------------------------- launch
@@ -549,12 +563,15 @@ def load(source: str, gmem: GlobalMemory):
     return ns
 
 
-def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_partials):
+def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_partials, softcap=None):
     """Run one launch of ``variant`` on CPU torch/numpy inputs; returns out
-    [B, Hq, D] as float32 numpy (bf16 values). ``sinks`` None -> -inf."""
+    [B, Hq, D] as float32 numpy (bf16 values). ``sinks`` None -> -inf.
+    ``softcap``: the logit cap of a soft-capping variant (scalar arguments as
+    the op computes them, ``launch_scalars``)."""
     import torch
 
     from flintgen import codegen
+    from flintgen.kernels.decode_attention import launch_scalars
     from flintgen.layout import AttentionLayout
 
     # -inf - -inf in discarded lanes (``_weight``'s selp) is expected.
@@ -581,9 +598,9 @@ def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_p
     part_o = Tensor(gmem, np.full(n * th * d, np.nan, np.float32))
     part_ml = Tensor(gmem, np.full(n * 2 * th, np.nan, np.float32))
     counters = Tensor(gmem, np.zeros(max(b * kv.shape[1], 1), np.int32))
-    log2e = 1.4426950408889634
+    scale_log2, *cap = (np.float32(x) for x in launch_scalars(scale, softcap))
     ns["DecodeAttention"]()(tq, tkv, tbt, tlens, tsinks, tout, part_o, part_ml, counters,
-                            np.float32(scale * log2e), int(window or 0), None)
+                            scale_log2, int(window or 0), *cap, None)
     if counters.numpy().any():
         raise AssertionError("arrival counters not reset")
     raw = tout.numpy().astype(np.uint32) << 16

@@ -37,9 +37,13 @@ class Case:
     columns), positions past seq_len in the last page, positions before the
     window in its first page and whole pages before it. A stale or
     out-of-range read therefore shows up as NaN in the output.
+
+    ``softcap``: the logit cap passed to a soft-capping spec's op (``kwargs``)
+    and to the references; ``q_scale`` sets the logits' spread (q . k * scale
+    has a standard deviation of about ``q_scale``).
     """
 
-    def __init__(self, spec, lens, window, *, seed=0, extra_cols=3, q_scale=1.5, device="cuda"):
+    def __init__(self, spec, lens, window, *, seed=0, extra_cols=3, q_scale=1.5, device="cuda", softcap=None):
         g = torch.Generator(device=device).manual_seed(seed)
         rnd = random.Random(seed)
         self.spec, self.window = spec, window
@@ -72,9 +76,14 @@ class Case:
         self.q = (torch.randn(b, hq, d, generator=g, device=device) * q_scale).bfloat16()
         self.sinks = (torch.randn(hq, generator=g, device=device) * 2).float() if spec.sinks else None
         self.scale = spec.scale
+        self.softcap = softcap
 
     def args(self, out):
         return (self.q, self.kv, self.bt, self.lens, self.sinks, self.window, self.scale, out)
+
+    def kwargs(self):
+        """The op's keyword arguments: ``softcap`` where the case has one."""
+        return {} if self.softcap is None else {"softcap": self.softcap}
 
     def poisoned_out(self):
         return torch.full_like(self.q, float("nan"))
@@ -91,8 +100,8 @@ class Case:
         if not live.any():
             return 0.0, 0.0
         a = (self.q, self.kv if kv is None else kv, self.bt, self.lens, self.sinks, self.window, self.scale)
-        ref = decode_attention_ref(*a)
-        tor = decode_attention_seed_rounding(*a)
+        ref = decode_attention_ref(*a, softcap=self.softcap)
+        tor = decode_attention_seed_rounding(*a, softcap=self.softcap)
         ek = rel_error(out[live], ref[live])
         et = rel_error(tor[live], ref[live])
         record(f"{label}: err {ek:.3e} torch-seed-rounding {et:.3e} ratio {ek / max(et, 1e-30):.2f}")

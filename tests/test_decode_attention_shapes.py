@@ -24,7 +24,7 @@ import torch
 from flintgen import cache, codegen
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
-from flintgen.kernels.decode_attention import DecodeAttentionDef
+from flintgen.kernels.decode_attention import DecodeAttentionDef, _check_softcap
 from flintgen.layout import AttentionLayout
 from flintgen.presets import FLINT
 
@@ -256,10 +256,12 @@ def edge_lens(page, window=128):
     return list(dict.fromkeys(raw))
 
 
-def run_shape(op, spec, device, plan, *, seed=0, cap=None, tag=""):
+def run_shape(op, spec, device, plan, *, seed=0, cap=None, tag="", softcap=None, q_scale=1.5):
     """Launch ``op`` for every (window, batch) of ``plan``: mixed lengths that
     activate every split of the batch's config, the edge lengths in the
-    larger batches, fresh inputs and a poisoned output each time."""
+    larger batches, fresh inputs and a poisoned output each time
+    (``softcap``: the logit cap of a soft-capping spec; ``q_scale``: the
+    logits' spread, see ``Case``)."""
     rnd = random.Random(seed)
     edges = edge_lens(spec.page_size)
     for window, b in plan:
@@ -267,9 +269,10 @@ def run_shape(op, spec, device, plan, *, seed=0, cap=None, tag=""):
         lens = lens_for(cfg, b, window is not None, 128, rnd, spec.page_size, cap)
         if b > len(edges):
             lens[1:1 + len(edges)] = edges
-        case = Case(spec, lens, window, seed=seed + b + (window or 0), device=device)
+        case = Case(spec, lens, window, seed=seed + b + (window or 0), device=device, softcap=softcap,
+                    q_scale=q_scale)
         out = case.poisoned_out()
-        op(*case.args(out))
+        op(*case.args(out), **case.kwargs())
         case.check(out, f"{tag}{spec.name} window={window} b={b} {cfg.as_params()}")
 
 
@@ -295,12 +298,13 @@ class EmulatedOp:
     def config(self, batch, sliding):
         return self.op.config(batch, sliding)
 
-    def __call__(self, q, kv, bt, lens, sinks, window, scale, out):
+    def __call__(self, q, kv, bt, lens, sinks, window, scale, out, *, softcap=None):
         import da_emulator
 
+        _check_softcap(self.spec, softcap, scale)   # the op's rule (its other checks need CUDA tensors)
         v = self.op._variants[window is not None][q.shape[0]]
         res = da_emulator.run(KDEF, self.spec, v, q, kv, bt, lens, sinks, window, scale,
-                              num_partials=self.op._max_partials)
+                              num_partials=self.op._max_partials, softcap=softcap)
         out.copy_(torch.from_numpy(res))
 
 

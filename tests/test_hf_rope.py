@@ -46,6 +46,22 @@ def test_unmappable_fields_are_named():
     assert "model_type 'bloom'" in msg and "'longrope'" in msg and "hidden_size: missing" in msg
 
 
+def test_attn_logit_softcapping_mapping():
+    """A non-null attn_logit_softcapping (Gemma 2: 50.0) turns the spec's
+    attn_logit_softcap on (the cap is decode attention's softcap argument);
+    null or absent leaves it off; anything but a number > 0 is named."""
+    base = _cfg("llama-3.1-8b")
+    assert not spec_from_hf_config(base).attn_logit_softcap
+    assert not spec_from_hf_config(dict(base, attn_logit_softcapping=None)).attn_logit_softcap
+    for cap in (50.0, 30, 0.5):
+        s = spec_from_hf_config(dict(base, attn_logit_softcapping=cap))
+        assert s.attn_logit_softcap and s == spec_from_hf_config(base).replace(attn_logit_softcap=True)
+    for bad in (0.0, -50.0, "50", True, float("inf")):
+        with pytest.raises(ValueError, match=r"cannot map config to a flintgen spec: attn_logit_softcapping: "
+                                             rf"{bad!r} is not a finite number > 0 \(the logit cap\) or null"):
+            spec_from_hf_config(dict(base, attn_logit_softcapping=bad))
+
+
 def test_tp_beyond_kv_heads_rule():
     with pytest.raises(ValueError, match=r"'tp_size' = 3"):
         spec_from_hf_config(_cfg("qwen3-8b"), tp_size=3)

@@ -68,6 +68,10 @@ def test_from_files(tmp_path):
     ({"hidden_size": 2**40}, ValueError, r"'hidden_size' = 1099511627776 .*64\.\.32768"),
     ({"tp_size": 3}, ValueError, r"'tp_size' = 3"),
     ({"sinks": 1}, TypeError, r"'sinks' must be a bool"),
+    ({"attn_logit_softcap": 1}, TypeError, r"'attn_logit_softcap' must be a bool, got int 1: write "
+                                           r"attn_logit_softcap = true or attn_logit_softcap = false"),
+    ({"attn_logit_softcap": 50.0}, TypeError, r"'attn_logit_softcap' must be a bool, got float 50.0"),
+    ({"attn_logit_softcap": "true"}, TypeError, r"'attn_logit_softcap' must be a bool, got str 'true'"),
     ({"rope_style": "gptj"}, ValueError, r"'rope_style' = 'gptj'"),
     ({"rope_scaling": "linear"}, ValueError, r"'rope_scaling' = 'linear'"),
     ({"rms_eps": -1.0}, ValueError, r"'rms_eps' = -1.0"),
@@ -107,3 +111,49 @@ def test_runtime_values_do_not_change_kernel_identity():
         return sorted(out)
 
     assert keys(FLINT) == keys(other)
+
+
+def test_attn_logit_softcap_field():
+    """Off by default (every preset); in the canonical JSON and the hash;
+    round-trips through JSON and TOML."""
+    from flintgen.presets import PRESETS
+
+    assert not FLINT.attn_logit_softcap and not any(p.attn_logit_softcap for p in PRESETS.values())
+    assert '"attn_logit_softcap":false' in FLINT.canonical_json()
+    soft = FLINT.replace(attn_logit_softcap=True)
+    assert '"attn_logit_softcap":true' in soft.canonical_json()
+    assert soft.spec_hash != FLINT.spec_hash and soft != FLINT
+    assert Spec.from_dict(json.loads(soft.canonical_json())) == soft
+    assert Spec.from_dict(json.loads(soft.canonical_json())).spec_hash == soft.spec_hash
+    d = FLINT.to_dict()
+    d.pop("attn_logit_softcap")
+    assert Spec.from_dict(d) == FLINT   # a spec written before the field: no capping
+
+
+def test_attn_logit_softcap_from_toml(tmp_path):
+    t = tmp_path / "s.toml"
+    t.write_text('preset = "flint"\nattn_logit_softcap = true\n')
+    assert Spec.from_file(t) == FLINT.replace(attn_logit_softcap=True)
+    t.write_text('preset = "flint"\nattn_logit_softcap = 50.0\n')
+    with pytest.raises(TypeError, match=r"spec file .*s.toml.*'attn_logit_softcap' must be a bool, got float 50.0"):
+        Spec.from_file(t)
+
+
+def test_softcap_presence_changes_only_decode_attention():
+    """The presence is a code path (decode attention's binaries differ); the
+    cap itself is a kernel argument, not in the spec."""
+    from flintgen import cache
+
+    t = Target("sm_90a", 132)
+    soft = FLINT.replace(attn_logit_softcap=True)
+
+    def keys(spec):
+        return {k.name: sorted(cache.make_entry(v, k.template, dict(k.render_params(spec, v)), t, "/x").key
+                               for v in k.variants(spec, t)) for k in KERNELS.values() if k.needed(spec)}
+
+    a, b = keys(FLINT), keys(soft)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] == b[name]) == (name != "decode_attention"), name
+        if name == "decode_attention":
+            assert not set(a[name]) & set(b[name])

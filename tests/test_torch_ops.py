@@ -101,6 +101,28 @@ def test_fake_tracing_qkv_and_decode_attention():
     assert "flintgen.qkv.default" in targets and "flintgen.decode_attention.default" in targets
 
 
+def test_fake_tracing_decode_attention_with_softcap():
+    """decode_attention's optional ``softcap`` (default None) traces as an op
+    argument, and the op's schema declares it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    schema = str(torch.ops.flintgen.decode_attention.default._schema)
+    assert schema.endswith("str spec, float? softcap=None) -> ()"), schema
+    key = flintgen.get_preset("flint").replace(attn_logit_softcap=True).canonical_json()
+    bf = torch.bfloat16
+
+    def step(q, cache, bt, lens, sinks, out):
+        torch.ops.flintgen.decode_attention(q, cache, bt, lens, sinks, None, 0.08, out, key, softcap=50.0)
+        return out
+
+    args = (torch.empty(2, 32, 128, dtype=bf), torch.empty(8, 4, 16, 256, dtype=bf),
+            torch.empty(2, 4, dtype=torch.int32), torch.empty(2, dtype=torch.int32), torch.empty(32),
+            torch.empty(2, 32, 128, dtype=bf))
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "decode_attention" in str(n.target)]
+    assert len(calls) == 1 and 50.0 in list(calls[0].args) + list(calls[0].kwargs.values())
+
+
 @pytest.mark.gpu
 def test_qkv_then_decode_attention_ops_compiled_and_graph_replayed():
     """The mutating ops on the GPU: torch.compile(fullgraph) of a decode step

@@ -7,7 +7,9 @@ A partial is (O, m, l) per head: O unnormalized (sum of p * V), m the max of
 the unscaled logits, l the sum of p = exp2(s * c - m * c), c = scale * log2 e.
 Merging partials r: m = max m_r, w_r = exp2(m_r * c - m * c) (0 for an empty
 partial, m_r = -inf), O = sum w_r O_r, l = sum w_r l_r; the output is
-O / (l + exp2(sink * log2 e - m * c)).
+O / (l + exp2(sink * log2 e - m * c)). With soft-capped logits
+(``decode_mma.softcap_logit``) m is the max of the capped logits, which are
+already scaled, and c = log2 e; the sink stays uncapped.
 
 Heads: TH = HEAD_TILE x head tiles (8 for GQA 1..8, 16 for GQA 9..16;
 flintgen/layout.py ``AttentionLayout.tile_rows``) are computed; ``G`` below

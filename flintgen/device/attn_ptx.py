@@ -28,6 +28,13 @@ def selp_u32(a, b, pred, *, loc=None, ip=None):
     )  # fmt: skip
 
 
+@dsl_user_op
+def rcp_rn(x, *, loc=None, ip=None):
+    """1 / x rounded to nearest (IEEE ``rcp.rn``, not the approximate MUFU.RCP
+    alone; ftz: a subnormal input or result is 0). Soft-capped logits use it
+    (``decode_mma.softcap_logit``)."""
+    return _asm([Float32], [(Float32, x)], "rcp.rn.ftz.f32 $0, $1;", loc=loc, ip=ip)
+
 
 @dsl_user_op
 def sts_f32x2(addr, a, b, *, loc=None, ip=None):

@@ -20,6 +20,9 @@ fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
 * Softmax (fp32): p = exp2(s * c - m * c), c = scale * log2(e), m the running
   max of the *unscaled* logits per head (so m0 / l0 belong to head 2t, m1 / l1
   to head 2t + 1 of the tile); l sums the fp32 p, P is rounded to bf16 for P V.
+  Soft-capped logits (``softcap``, Gemma 2) are replaced by
+  ``cap * tanh(s * scale / cap)`` before masking, so they are already scaled:
+  the caller passes c = log2(e) and m is the max of the capped logits.
 * O^T[dim, head] += V^T P^T: M = D dims in D / 16 m-tiles, N = 8 heads, K = 16
   tokens. m-tile j, rows g / g + 8 are dims d0 / d0 + 1 with
   ``d0 = 64 (j // 4) + 8 g + 2 (j % 4)`` (the trailing 32 dims of D = 96:
@@ -35,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from flintgen.device import ptx
-from flintgen.device.attn_ptx import selp_f32
+from flintgen.device.attn_ptx import rcp_rn, selp_f32
 from flintgen.layout import HEAD_TILE, SLICE_TOKENS
 
 
@@ -82,11 +85,13 @@ def pv_dims(j: int, D: int) -> tuple[int, int]:
 
 @cute.jit
 def slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
-                 D: cutlass.Constexpr, TILE: cutlass.Constexpr):
+                 D: cutlass.Constexpr, TILE: cutlass.Constexpr, softcap=None):
     """First half of ``attend_page``: S = K q from the K fragments at
-    ``frag[0 ..]``, the online softmax (running m, l; head tile ``TILE``'s
-    accumulators rescaled) and P^T as the B operand of P V. Returns
-    ``(m0, m1, l0, l1, b0, b1)``."""
+    ``frag[0 ..]`` (soft-capped when ``softcap`` is ``(k, cap)``: Float32,
+    ``k = 2 log2(e) scale / cap``, ``scale_log2`` then log2(e);
+    ``softcap_logit``), the online softmax (running m, l; head tile
+    ``TILE``'s accumulators rescaled) and P^T as the B operand of P V.
+    Returns ``(m0, m1, l0, l1, b0, b1)``."""
     KO = D // 8
     QO = TILE * (D // 8)
     AO = TILE * (D // 4)
@@ -106,10 +111,10 @@ def slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0,
     pos = slc * SLICE_TOKENS + g
     ok_lo = Int32((pos >= start_tok) & (pos < seq_len))
     ok_hi = Int32((pos + 8 >= start_tok) & (pos + 8 < seq_len))
-    s0 = selp_f32(sa[0] + sb[0], ninf, ok_lo)
-    s1 = selp_f32(sa[1] + sb[1], ninf, ok_lo)
-    s2 = selp_f32(sa[2] + sb[2], ninf, ok_hi)
-    s3 = selp_f32(sa[3] + sb[3], ninf, ok_hi)
+    s0 = selp_f32(_capped(sa[0] + sb[0], softcap), ninf, ok_lo)
+    s1 = selp_f32(_capped(sa[1] + sb[1], softcap), ninf, ok_lo)
+    s2 = selp_f32(_capped(sa[2] + sb[2], softcap), ninf, ok_hi)
+    s3 = selp_f32(_capped(sa[3] + sb[3], softcap), ninf, ok_hi)
 
     # Max over the slice's 16 tokens: tokens g live in lanes 4 g + t.
     mx0 = cute.arch.fmax(s0, s2)
@@ -175,12 +180,45 @@ def slice_pv(frag, VO: cutlass.Constexpr, acc, b0, b1, D: cutlass.Constexpr, TIL
 
 @cute.jit
 def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
-                D: cutlass.Constexpr, TILE: cutlass.Constexpr):
+                D: cutlass.Constexpr, TILE: cutlass.Constexpr, softcap=None):
     """Fold sequence slice ``slc`` (fragments from ``paged_kv.load_page``: K
     from 0, V from D / 4) into head tile ``TILE``'s accumulators and running
     (m, l); returns the new ``(m0, m1, l0, l1)``. ``l`` is this lane's share
-    (tokens g, g + 8); the caller sums it over g at the end."""
+    (tokens g, g + 8); the caller sums it over g at the end. ``softcap``: as
+    in ``slice_scores``."""
     m0, m1, l0, l1, b0, b1 = slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1,
-                                          g, t, D, TILE)
+                                          g, t, D, TILE, softcap)
     slice_pv(frag, D // 4, acc, b0, b1, D, TILE)
     return m0, m1, l0, l1
+
+
+def _capped(s, softcap):
+    """``s``, or ``softcap_logit(s, *softcap)``: chosen while tracing, so
+    nothing is emitted without soft-capping."""
+    return s if softcap is None else softcap_logit(s, *softcap)
+
+
+@cute.jit
+def softcap_logit(s, k, cap):
+    """Gemma 2's soft-capping ``cap * tanh(s * scale / cap)`` of a raw logit
+    ``s`` (q . k), with ``k = 2 log2(e) scale / cap`` (host-computed):
+
+        cap tanh(x) = cap - 2 cap / (e^2x + 1),   e^2x = ex2(s k)
+
+    one ``ex2.approx.ftz`` (MUFU.EX2, relative error <= 2 ulp), a reciprocal
+    rounded to nearest (``rcp.rn``) and an fma. Not ``tanh.approx.f32``: its
+    ~2^-11 relative error is ~0.025 of a logit at cap 50. The result lies in
+    [-cap, cap]: exactly cap once ex2 overflows to inf, -cap once it flushes
+    to 0; NaN stays NaN (masked lanes are replaced by -inf afterwards).
+
+    Error (fp32 against fp64 ``cap * tanh(s * scale / cap)`` for the same fp32
+    ``s``; s * scale over [-3 cap, 3 cap], near 0 and near +-cap; cap 1..50,
+    scale 1 / 16..1; ex2 exact or off by +-2 ulp): at most 3.0e-7 * cap
+    absolute (2.9e-7 in the test's sweep, which bounds it by 3.2e-7), i.e.
+    1.5e-5 at cap 50 (tests/test_decode_attention_softcap.py,
+    ``test_softcap_formula_error``). An absolute logit error is the relative
+    error of its softmax weight; near 0 the absolute error stays 1.2e-7 * cap
+    (one ulp of 1 in the tanh) while the relative one grows to O(1)
+    (1 - 2 / (e^2x + 1) cancels), which the softmax does not see.
+    """
+    return ptx.fma(cap * cutlass.Float32(-2.0), rcp_rn(ptx.ex2(s * k) + cutlass.Float32(1.0)), cap)

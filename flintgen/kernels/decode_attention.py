@@ -2,6 +2,7 @@
 
     op = flintgen.get_kernel(spec, "decode_attention")
     op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out)
+    op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap=50.0)  # attn_logit_softcap specs
 
 Design: templates/decode_attention.py.j2 and the device modules it imports;
 launch heuristics: flintgen/configs/decode_attention_config.py.
@@ -60,16 +61,32 @@ def _configs(spec: Spec, target: Target, sliding: bool) -> dict[int, dac.DecodeA
 
 
 def _variant(spec: Spec, sliding: bool, cfg: dac.DecodeAttentionConfig) -> Variant:
+    # softcap only where present: the other variants keep their names.
+    cap = {"softcap": True} if spec.attn_logit_softcap else {}
     return Variant.of(
         "decode_attention", kv_heads=spec.kv_heads_per_rank, gqa=_gqa(spec), head_dim=spec.head_dim,
-        page_size=spec.page_size, sliding=sliding, **cfg.as_params(),
+        page_size=spec.page_size, sliding=sliding, **cap, **cfg.as_params(),
     )  # fmt: skip
+
+
+def launch_scalars(scale: float, softcap: float | None) -> tuple[float, ...]:
+    """The kernel's scalar arguments after ``window``, from the op's ``scale``
+    and ``softcap`` (computed in fp64, rounded to fp32 by the launch).
+
+    Without capping: ``(scale * log2 e,)``, the logits' factor in exp2.
+    With: ``(log2 e, 2 log2(e) scale / cap, cap)``: the kernel soft-caps the
+    raw logits to ``cap * tanh(s * scale / cap)`` (already scaled, so exp2's
+    factor is log2 e, consistent with the uncapped sink's ``sink * log2 e``).
+    """
+    if softcap is None:
+        return (float(scale) * LOG2E,)
+    return (LOG2E, 2.0 * LOG2E * float(scale) / float(softcap), float(softcap))
 
 
 class DecodeAttentionDef(KernelDef):
     name = "decode_attention"
     template = "decode_attention.py.j2"
-    description = ("split-KV paged decode attention with sinks and sliding window "
+    description = ("split-KV paged decode attention with sinks, sliding window and logit soft-capping "
                    "(GQA 1-16, head_dim 64/128, page 16/32/64)")
     required_ptx = (
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
@@ -101,6 +118,7 @@ class DecodeAttentionDef(KernelDef):
             pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
         p["pad_bytes"] = pad
         p["merge_dims"] = cfg.merge_dims
+        p["softcap"] = bool(p.get("softcap", False))
         lay = cfg.layout
         p.update(slice_tokens=layout.SLICE_TOKENS, slices_per_page=lay.slices_per_page(p["page_size"]),
                  kv_type=layout.kv_dtype(lay.kv_dtype).cutlass_type, kv_elem_bytes=lay.kv_elem_bytes,
@@ -125,7 +143,7 @@ class _Workspace:
 
 
 class DecodeAttentionOp:
-    """``op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out) -> out``
+    """``op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, *, softcap=None) -> out``
 
     Paged decode attention with sinks, one query token per request, on the
     current CUDA stream with programmatic dependent launch. Shapes (B requests,
@@ -148,6 +166,14 @@ class DecodeAttentionOp:
       another length is correct, just not tuned, and never recompiles.
     * ``scale``: softmax scale (finite, > 0).
     * ``out``: [B, Hq, D] bf16, same layout rules as ``q``.
+    * ``softcap`` (keyword): the logit cap when the spec has
+      ``attn_logit_softcap`` (required then, a finite number > 0, e.g. 50.0 for
+      Gemma 2; None otherwise). Logits become ``softcap * tanh(s * scale /
+      softcap)`` before the softmax, as transformers applies Gemma 2's
+      ``attn_logit_softcapping``; sink logits are not capped. A runtime
+      argument: another cap never recompiles (a CUDA graph keeps the cap it
+      was captured with, as it keeps ``scale`` and ``window``). The kernel's
+      tanh is within 3e-7 * cap of fp64 in the logit (``decode_mma.softcap_logit``).
 
     seq_lens and block_tables are read before the kernel's grid-dependency
     wait: no kernel of the PDL chain ahead of the launch may write them (use
@@ -177,7 +203,7 @@ class DecodeAttentionOp:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ validation
-    def _check(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out) -> int:
+    def _check(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap=None) -> int:
         """Validate every argument; returns B. Types, dtypes, shapes and
         strides are checked before devices, so every rejection but the device
         ones is reachable with CPU tensors (and none needs a kernel load)."""
@@ -200,6 +226,7 @@ class DecodeAttentionOp:
                 or scale <= 0:
             raise ValueError(f"scale must be a finite number > 0, got {scale!r} (typically "
                              f"{spec.scale:.6g} = head_dim ** -0.5)")
+        _check_softcap(spec, softcap, scale)
 
         _typed("q", q, torch.bfloat16)
         if q.dim() != 3 or tuple(q.shape[1:]) != (hq, d):
@@ -270,8 +297,8 @@ class DecodeAttentionOp:
     def config(self, batch: int, sliding: bool) -> dac.DecodeAttentionConfig:
         return self._configs[sliding][batch]
 
-    def __call__(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out):
-        batch = self._check(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out)
+    def __call__(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, *, softcap=None):
+        batch = self._check(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap)
         if batch == 0:
             return out
         sliding = window is not None
@@ -282,8 +309,9 @@ class DecodeAttentionOp:
             sinks = self._sinks_none(q.device)
         if knobs.check_inputs:
             _check_device_inputs(kv_cache, block_tables, seq_lens)
+        scale_log2, *cap = launch_scalars(scale, softcap)
         fn(q, kv_cache, block_tables, seq_lens, sinks, out, ws.part_o, ws.part_ml, ws.counters,
-           float(scale) * LOG2E, 0 if window is None else int(window))  # fmt: skip
+           scale_log2, 0 if window is None else int(window), *cap)  # fmt: skip
         return out
 
     def _workspace(self, device) -> _Workspace:
@@ -339,14 +367,15 @@ class DecodeAttentionOp:
 
     def warmup(self, device) -> None:
         """Load every variant, allocate the workspace and run each binary once
-        (batch of its smallest size, seq_len 0) so nothing loads during a
-        CUDA-graph capture."""
+        (batch of its smallest size, seq_len 0; with soft-capping any cap, here
+        1.0: nothing is attended) so nothing loads during a CUDA-graph capture."""
         import torch
 
         device = torch.device(device)
         hq, d = self.q_heads, self.head_dim
         kv = torch.zeros(1, self.kv_heads, self.page, 2 * d, dtype=torch.bfloat16, device=device)
         sinks = torch.zeros(hq, dtype=torch.float32, device=device) if self.spec.sinks else None
+        softcap = 1.0 if self.spec.attn_logit_softcap else None
         for sliding, per in self._variants.items():
             seen = set()
             for b, v in per.items():
@@ -358,7 +387,30 @@ class DecodeAttentionOp:
                 bt = torch.zeros(b, 1, dtype=torch.int32, device=device)
                 lens = torch.zeros(b, dtype=torch.int32, device=device)
                 self(q, kv, bt, lens, sinks, self.spec.sliding_window if sliding else None,
-                     self.spec.scale, out)  # fmt: skip
+                     self.spec.scale, out, softcap=softcap)  # fmt: skip
+
+
+def _check_softcap(spec: Spec, softcap, scale) -> None:
+    """``softcap``: a finite number > 0 when the spec soft-caps, None otherwise."""
+    if not spec.attn_logit_softcap:
+        if softcap is not None:
+            raise ValueError(f"softcap={softcap!r} but spec {spec.name!r} has attn_logit_softcap=False: pass "
+                             "softcap=None, or build a spec with attn_logit_softcap=True")
+        return
+    if softcap is None:
+        raise ValueError(f"spec {spec.name!r} has attn_logit_softcap=True: pass softcap, the logit cap (a finite "
+                         "number > 0, e.g. 50.0 for Gemma 2's attn_logit_softcapping)")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number (the logit cap), got {type(softcap).__name__} {softcap!r}: "
+                        "pass e.g. softcap=50.0")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a finite number > 0 (the logit cap), got {softcap!r}: pass e.g. "
+                         "softcap=50.0, or build a spec with attn_logit_softcap=False for no capping")
+    _, k, _ = launch_scalars(scale, softcap)
+    if not (2.0**-125 <= min(k, softcap) and max(k, softcap) <= 2.0**126):
+        raise ValueError(f"softcap={softcap!r} with scale={scale!r} is outside fp32's range (the kernel takes "
+                         f"cap and 2 log2(e) scale / cap = {k:.3g}, both within 2^-125..2^126): pass a cap "
+                         "in a sensible range, e.g. 1.0 .. 1000.0")
 
 
 def _typed(name, t, dtype) -> None:

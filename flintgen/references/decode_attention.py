@@ -6,11 +6,15 @@
   implementation with the kernel's roundings gives: S in fp32 from bf16 q, K;
   p = exp2(S c - m c) in fp32 with c = scale log2 e; l = sum(p) + exp2(sink
   log2 e - m c); O = (bf16(p) @ V) / l in fp32, rounded to bf16. The kernel's
-  error must stay within 2x of this one's.
+  error must stay within 2x of this one's. Soft-capped: S <- cap tanh(S scale
+  / cap) in fp32 (torch's tanh), then c = log2 e.
 
 Both take the op's arguments (q [B, Hq, D], HND cache [blocks, Hkv, page,
 2D], block_tables [B, max_blocks], seq_lens [B], sinks [Hq] or None, window
-or None, scale) and return [B, Hq, D]; seq_len 0 gives zeros.
+or None, scale, and ``softcap`` None or the logit cap) and return [B, Hq, D];
+seq_len 0 gives zeros. With ``softcap`` the logits are soft-capped before the
+softmax as transformers does for Gemma 2 (``attn_logit_softcapping``):
+``s = softcap * tanh(q.k * scale / softcap)``; sinks are not capped.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def _requests(q, kv_cache, block_tables, seq_lens, window):
             yield b, q[b].view(hkv, hq // hkv, d), k, v
 
 
-def decode_attention_ref(q, kv_cache, block_tables, seq_lens, sinks, window, scale):
+def decode_attention_ref(q, kv_cache, block_tables, seq_lens, sinks, window, scale, softcap=None):
     """fp64 reference, [B, Hq, D] float64."""
     import torch
 
@@ -55,6 +59,8 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, sinks, window, sca
     out = torch.zeros(batch, hq, d, dtype=torch.float64, device=q.device)
     for b, qb, k, v in _requests(q, kv_cache, block_tables, seq_lens, window):
         s = torch.einsum("hgd,hnd->hgn", qb.double(), k.double()) * scale          # [Hkv, G, n]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         if sinks is not None:
             sk = sinks.double().view(hkv, gqa, 1)
         else:
@@ -64,17 +70,19 @@ def decode_attention_ref(q, kv_cache, block_tables, seq_lens, sinks, window, sca
     return out
 
 
-def decode_attention_seed_rounding(q, kv_cache, block_tables, seq_lens, sinks, window, scale):
+def decode_attention_seed_rounding(q, kv_cache, block_tables, seq_lens, sinks, window, scale, softcap=None):
     """Single-pass torch computation with the kernel's roundings, [B, Hq, D] bf16."""
     import torch
 
     batch, hq, d = q.shape
     hkv = kv_cache.shape[1]
     gqa = hq // hkv
-    c = scale * LOG2E
+    c = scale * LOG2E if softcap is None else LOG2E
     out = torch.zeros(batch, hq, d, dtype=torch.bfloat16, device=q.device)
     for b, qb, k, v in _requests(q, kv_cache, block_tables, seq_lens, window):
         s = torch.einsum("hgd,hnd->hgn", qb.float(), k.float())                    # fp32 from bf16
+        if softcap is not None:
+            s = softcap * torch.tanh(s * (scale / softcap))
         m = s.amax(dim=-1, keepdim=True)
         p = torch.exp2(s * c - m * c)
         l = p.sum(dim=-1, keepdim=True)
