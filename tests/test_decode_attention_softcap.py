@@ -31,7 +31,7 @@ from flintgen.references.decode_attention import (
     rel_error,
 )
 
-from decode_attention_cases import Case, record, refill
+from decode_attention_cases import Case, precompile, record, refill
 from test_decode_attention_shapes import EmulatedOp, run_shape, shape_spec
 
 KDEF = DecodeAttentionDef()
@@ -223,7 +223,7 @@ def test_reference_matches_an_independent_implementation(window, sinks, cap, q_s
 # ----------------------------------------------------------------- source and identity
 def test_softcap_source_and_variant_identity():
     """Soft-capping variants render SOFTCAP = True and take softcap_k and
-    softcap after window; the others render SOFTCAP = False and nothing
+    softcap_cap after window; the others render SOFTCAP = False and nothing
     else of it, keep their names, and differ in key from their twins."""
     plain, soft = KDEF.variants(FLINT, T132), KDEF.variants(SOFT, T132)
     assert len(plain) == len(soft)
@@ -236,8 +236,9 @@ def test_softcap_source_and_variant_identity():
         assert [ln.split("#")[0].strip() for ln in lines] == ["", "SOFTCAP = False"], lines  # header, constant
         consts = {ln.split("#")[0].strip() for ln in src_s.splitlines()}
         assert "SOFTCAP = True" in consts
-        assert "scale_log2, window, softcap_k, softcap" in src_s
-        assert src_s.count("softcap_k: Float32,") == 2 and src_s.count("HEAD_DIM, 0, cap") == 1
+        assert "scale_log2, window, softcap_k, softcap_cap" in src_s
+        # Tile 0's scores take the cap on both slice paths (K and V at once; K then V).
+        assert src_s.count("softcap_k: Float32,") == 2 and src_s.count("HEAD_DIM, 0, cap") == 2
         kp = cache.make_entry(p, KDEF.template, dict(KDEF.render_params(FLINT, p)), T132, "/x").key
         ks = cache.make_entry(s, KDEF.template, dict(KDEF.render_params(SOFT, s)), T132, "/x").key
         assert kp != ks
@@ -259,6 +260,9 @@ EMULATED = [
     (16, 64, 64, True, None, [600] + [0] * 16, 5.0, 4.0),  # two head tiles, 2 splits
     (16, 128, 16, False, 128, [150] + [0] * 64, 30.0, 20.0),  # two tiles, one split per pair
     (3, 64, 16, True, 128, [145, 0, 1], 3.0, 3.0),       # odd ratio, padded tile; cluster of 4; one token
+    (2, 256, 16, False, None, [700, 1], 50.0, 30.0),     # Gemma 2: K then V per slice, split partials
+    (2, 256, 16, True, 128, [150], 50.0, 30.0),          # head_dim 256 cluster
+    (1, 96, 16, True, None, [600, 17], 5.0, 4.0),        # head_dim 96, MHA
 ]
 
 
@@ -328,45 +332,27 @@ def test_softcap_variant_compiles_clean(spec, variant):
 
 
 # ================================================================= GPU
-SOFT_SHAPES = [(8, 128, 16), (8, 64, 16), (16, 128, 64), (4, 64, 32)]
+SOFT_SHAPES = [(8, 128, 16), (8, 64, 16), (16, 128, 64), (4, 64, 32), (2, 256, 16), (4, 256, 64), (1, 96, 16)]
 SOFT_PLAN = [(128, 1), (128, 3), (128, 64), (None, 1), (None, 3), (None, 64)]
 GRAPH_PLAN = [(128, 2), (None, 3), (None, 40)]
 
 
-def planned_variants(target):
-    """{variant name: (spec, variant)} of every launch the GPU tests below make."""
+def planned_plans():
+    """(spec, [(window, batch), ...]) of every launch the GPU tests below make."""
     plans = [(soft_spec(*s, sinks=sinks, kv=2), SOFT_PLAN) for s in SOFT_SHAPES for sinks in (True, False)]
     plans += [(soft_spec(*c[:3], sinks=c[3], kv=1, max_batch=80), [(c[4], len(c[5]))]) for c in EMULATED]
     # The graph test warms up (softcap=1.0, seq_len 0) every variant of its spec.
     plans += [(soft_spec(8, 128, 16, kv=2), [(w, b) for w in (128, None) for b in range(1, 81)])]
-    out = {}
-    for spec, plan in plans:
-        op = KDEF.bind(spec, target, _no_load)
-        for window, b in plan:
-            v = op._variants[window is not None][b]
-            out.setdefault(v.name, (spec, v))
-    return out
+    return plans
 
 
 @pytest.fixture(scope="module")
 def precompiled():
     """Compile every variant the GPU tests below launch, in parallel, first."""
-    import concurrent.futures as cf
-    import multiprocessing
-    import os
-
     from flintgen import toolchain
-    from flintgen.cli import _build_one
 
-    target = toolchain.resolve_target()
-    todo = planned_variants(target)
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
-        futs = [pool.submit(_build_one, spec, "decode_attention", v, target, cache.default_root())
-                for spec, v in todo.values()]
-        for f in cf.as_completed(futs):
-            f.result()
-    record(f"precompiled {len(todo)} soft-capping decode-attention variants")
+    record(f"precompiled {precompile(planned_plans(), KDEF, toolchain.resolve_target(), _no_load)} "
+           "soft-capping decode-attention variants")
 
 
 @pytest.mark.gpu
