@@ -69,7 +69,7 @@ def test_from_files(tmp_path):
     ({"tp_size": 3}, ValueError, r"'tp_size' = 3"),
     ({"sinks": 1}, TypeError, r"'sinks' must be a bool"),
     ({"rope_style": "gptj"}, ValueError, r"'rope_style' = 'gptj'"),
-    ({"rope_scaling": "linear"}, ValueError, r"'rope_scaling' = 'linear'"),
+    ({"rope_scaling": "dynamic"}, ValueError, r"'rope_scaling' = 'dynamic'.*'linear'.*'longrope'"),
     ({"rms_eps": -1.0}, ValueError, r"'rms_eps' = -1.0"),
     ({"rope_theta": float("nan")}, ValueError, r"'rope_theta'"),
     ({"layer_types": ("sliding", "local")}, ValueError, r"'layer_types\[1\]' = 'local'"),
