@@ -133,9 +133,12 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale, k
 
 
 # ---------------------------------------------------------------- RoPE
-def rope_table(spec, max_pos: int, device=None) -> torch.Tensor:
-    """``[max_pos, head_dim]`` fp32 ``cat(cos, sin)`` (NeoX) for the spec: the
-    one implementation in ``flintgen.rope_tables`` (default, llama3, yarn)."""
+def rope_table(spec, max_pos: int, device=None, layer_type: str = "full",
+               longrope: str = "by_position") -> torch.Tensor:
+    """``[max_pos, spec.rope_dim]`` fp32 ``cat(cos, sin)`` for the spec's layer
+    type (``[max_pos, head_dim]`` when the whole head rotates): the one
+    implementation in ``flintgen.rope_tables`` (default, linear, llama3, yarn,
+    longrope)."""
     from flintgen.rope_tables import rope_table as _table
 
-    return _table(spec, max_pos, device)
+    return _table(spec, max_pos, device, layer_type=layer_type, longrope=longrope)

@@ -1,9 +1,34 @@
-"""RoPE cos|sin tables: ``rope_table(spec, max_pos, device)``.
+"""RoPE cos|sin tables: ``rope_table(spec, max_pos, device, layer_type="full")``.
 
-Layout: fp32 ``[max_pos, head_dim]``; row p is ``cos(p·f_i)·a`` for i < D/2
-followed by ``sin(p·f_i)·a``, the NeoX (rotate-half) convention, where f_i
-are the inverse frequencies of the spec's scaling and ``a`` its attention
-factor (YaRN's mscale; 1 otherwise).
+Layout: fp32 ``[max_pos, R]`` with R = ``spec.rope_dim`` (``rotary_dim``, or
+``head_dim`` when unset, so the whole-head table is ``[max_pos, head_dim]`` as
+before); row p is ``cos(p·f_i)·a`` for i < R/2 followed by ``sin(p·f_i)·a``,
+where f_i are the R/2 inverse frequencies of the layer type's scaling and
+``a`` its attention factor (YaRN's mscale, longrope's sqrt(1 + ln s / ln L0);
+1 otherwise). vLLM's ``cos_sin_cache`` has the same layout, partial rotary
+included.
+
+The layout is the same for both pairings; what differs is which elements of a
+head the kernel pairs with frequency i (``flintgen.references.qkv``):
+
+* ``rope_style = "neox"``: (x[i], x[i + R/2]) (rotate-half);
+* ``rope_style = "interleaved"`` (GPT-J, GLM-4): (x[2i], x[2i + 1]);
+
+and dims R..head_dim-1 pass through unrotated.
+
+``layer_type`` "sliding" selects the spec's ``sliding_rope_*`` (theta, scaling)
+when set (Gemma 3's local RoPE), "full" (or a spec without them) the main one.
+
+Longrope: row p uses the short factors for p < original_max_position_embeddings
+and the long factors from there on. That is what transformers' Phi-3 rotary
+embedding computes for a decode step of one token at position p (it picks the
+long factors when max(position_ids) + 1 > original_max_position_embeddings);
+it differs where transformers decides for a whole forward at once: a prefill
+longer than the original length rotates all of its tokens (early ones too)
+with the long factors, and a batched or multi-token step with any row past the
+original length uses the long factors for every row. ``longrope="short"`` /
+``"long"`` build a table of one factor set, for a caller that wants to make
+that per-forward choice itself.
 
 Inverse frequencies are computed in fp32 exactly as Hugging Face transformers
 (``modeling_rope_utils``) computes them; the angles p·f_i and their cos/sin in
@@ -71,34 +96,98 @@ def _yarn(theta: float, dim: int, p: dict):
     return inv, float(attn)
 
 
-_REQUIRED = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-             "yarn": ("factor", "original_max_position_embeddings")}
+def _linear_inv_freq(theta: float, dim: int, p: dict):
+    inv_freq = _default_inv_freq(theta, dim)
+    inv_freq /= p["factor"]  # in place, as transformers (same fp32 rounding)
+    return inv_freq
 
 
-def inv_freq_and_factor(spec: Spec):
-    """(fp32 inverse frequencies [head_dim/2], attention factor) of the spec."""
-    dim, theta, kind = spec.head_dim, spec.rope_theta, spec.rope_scaling
-    params = dict(spec.rope_scaling_params)
+def _longrope_attention_factor(p: dict) -> float:
+    attn = p.get("attention_factor")
+    if attn is not None:
+        return float(attn)
+    factor, orig = p["factor"], p["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def _longrope_inv_freq(theta: float, dim: int, p: dict, long: bool):
+    import torch
+
+    ext = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * theta ** shape)
+
+
+_REQUIRED = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings"),
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+LAYER_TYPES = ("full", "sliding")
+LONGROPE_CHOICES = ("by_position", "short", "long")
+
+
+def _rope_of(spec: Spec, layer_type: str):
+    if layer_type not in LAYER_TYPES:
+        raise ValueError(f"layer_type {layer_type!r} is not supported: supported values are {list(LAYER_TYPES)}. "
+                         "Pass 'full' or 'sliding'.")
+    theta, kind, params = spec.rope_for(layer_type)
+    params = dict(params)
+    prefix = "sliding_" if layer_type == "sliding" and spec.sliding_rope_theta is not None else ""
     missing = [k for k in _REQUIRED.get(kind, ()) if k not in params]
+    if kind == "longrope" and "factor" not in params and "attention_factor" not in params:
+        missing.append("factor")  # transformers: max_position_embeddings / original_max_position_embeddings
     if missing:
-        raise ValueError(f"rope_scaling '{kind}' needs rope_scaling_params {missing}; got {sorted(params)}. "
-                         "Add them to the spec (they come from config.json's rope_scaling).")
+        raise ValueError(f"{prefix}rope_scaling '{kind}' needs {prefix}rope_scaling_params {missing}; got "
+                         f"{sorted(params)}. Add them to the spec (they come from config.json's rope_scaling / "
+                         "rope_parameters).")
+    return theta, kind, params
+
+
+def inv_freq_and_factor(spec: Spec, layer_type: str = "full", seq_len: int | None = None):
+    """(fp32 inverse frequencies [rope_dim/2], attention factor) of the layer
+    type's RoPE, as transformers' ``ROPE_INIT_FUNCTIONS[type](config, device,
+    seq_len)``: for longrope the long factors when ``seq_len`` >
+    original_max_position_embeddings, else the short ones."""
+    theta, kind, params = _rope_of(spec, layer_type)
+    dim = spec.rope_dim
     if kind == "none":
         return _default_inv_freq(theta, dim), 1.0
+    if kind == "linear":
+        return _linear_inv_freq(theta, dim, params), 1.0
     if kind == "llama3":
         return _llama3_inv_freq(theta, dim, params), 1.0
+    if kind == "longrope":
+        long = bool(seq_len) and seq_len > params["original_max_position_embeddings"]
+        return _longrope_inv_freq(theta, dim, params, long), _longrope_attention_factor(params)
     return _yarn(theta, dim, params)
 
 
-def rope_table(spec: Spec, max_pos: int, device=None):
-    """The fp32 ``[max_pos, head_dim]`` cos|sin table for the spec."""
+def rope_table(spec: Spec, max_pos: int, device=None, layer_type: str = "full", longrope: str = "by_position"):
+    """The fp32 ``[max_pos, spec.rope_dim]`` cos|sin table of the layer type
+    (``[max_pos, head_dim]`` when the whole head rotates). ``longrope``: see
+    the module docstring (only read for longrope scaling)."""
     import torch
 
     if spec.rope_style == "none":
         raise ValueError(f"spec {spec.name!r} has rope_style 'none': it needs no RoPE table")
     if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1:
         raise ValueError(f"max_pos must be a positive int, got {max_pos!r}")
-    inv, attn = inv_freq_and_factor(spec)
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv.double()[None, :]
+    if longrope not in LONGROPE_CHOICES:
+        raise ValueError(f"longrope {longrope!r} is not supported: supported values are {list(LONGROPE_CHOICES)}. "
+                         "Pass one of them.")
+    _, kind, params = _rope_of(spec, layer_type)
+    pos = torch.arange(max_pos, dtype=torch.float64)[:, None]
+    if kind == "longrope":
+        orig = params["original_max_position_embeddings"]
+        short, attn = inv_freq_and_factor(spec, layer_type, seq_len=None)
+        long, _ = inv_freq_and_factor(spec, layer_type, seq_len=int(orig) + 1)
+        if longrope == "by_position":  # row p: what a one-token step at p computes (seq_len p + 1)
+            inv = torch.where(pos + 1 > orig, long.double()[None, :], short.double()[None, :])
+        else:
+            inv = (long if longrope == "long" else short).double()[None, :]
+    else:
+        inv, attn = inv_freq_and_factor(spec, layer_type)
+        inv = inv.double()[None, :]
+    ang = pos * inv
     table = torch.cat([ang.cos(), ang.sin()], dim=1) * attn
     return table.float().to(device) if device is not None else table.float()

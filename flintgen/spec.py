@@ -5,6 +5,10 @@ canonical JSON form (sorted keys, per-field normalized values) whose sha256 is
 its ``spec_hash``: the same in every process and independent of field order in
 the file it came from.
 
+Fields added after the first spec format (``rotary_dim`` and the
+``sliding_rope_*`` fields) are left out of the canonical form while at their
+defaults, so specs that do not use them keep their earlier hashes.
+
 Runtime values (``rms_eps``, ``softmax_scale``, ``sliding_window`` length,
 ``rope_theta``) are recorded in the spec for convenience but are passed to the
 kernels as arguments, so changing them never recompiles anything; only what a
@@ -30,8 +34,9 @@ SUPPORTED_PAGE_SIZES = (16, 32, 64)
 SUPPORTED_KV_DTYPES = ("bf16",)
 SUPPORTED_KV_LAYOUTS = ("HND",)
 SUPPORTED_WEIGHT_FORMATS = ("bf16", "nvfp4")
-SUPPORTED_ROPE_STYLES = ("neox", "none")
-SUPPORTED_ROPE_SCALINGS = ("none", "llama3", "yarn")
+SUPPORTED_ROPE_STYLES = ("neox", "interleaved", "none")
+SUPPORTED_ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
+ROPE_LIST_PARAMS = ("short_factor", "long_factor")  # longrope's per-frequency factors: rotary_dim / 2 numbers
 LAYER_TYPES = ("sliding", "full")
 MAX_TOKENS_LIMIT = 8  # fused-QKV GEMV: the cluster design holds at most 8 token rows
 
@@ -94,24 +99,57 @@ def _check_kernel_limits(spec: "Spec") -> None:
                         f"Use a {f} in {lo}..{hi}.")
 
 
-def _rope_params(params: Any) -> tuple[tuple[str, float], ...]:
-    """``rope_scaling_params`` as sorted (name, float) pairs, from a mapping or pairs."""
+def _rope_params(params: Any, name: str = "rope_scaling_params") -> tuple[tuple[str, Any], ...]:
+    """``rope_scaling_params`` as (name, value) pairs sorted by name, from a mapping or pairs.
+    Values are floats, except longrope's ``short_factor`` / ``long_factor``: tuples of floats."""
     if isinstance(params, Mapping):
         params = list(params.items())
     try:
         items = [(k, v) for k, v in params]
     except (TypeError, ValueError):
-        raise TypeError(f"spec field 'rope_scaling_params' must be a table of name = number, got "
-                        f"{type(params).__name__} {params!r}: write e.g. rope_scaling_params = "
+        raise TypeError(f"spec field '{name}' must be a table of name = number, got "
+                        f"{type(params).__name__} {params!r}: write e.g. {name} = "
                         "{ factor = 8.0 }") from None
-    out = []
+    out: dict[str, Any] = {}
     for k, v in items:
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) \
-                or not math.isfinite(v):
-            raise _fail(f"rope_scaling_params.{k}", v, "a finite number",
+        if not isinstance(k, str):
+            raise _fail(f"{name}", k, "parameter names are strings", "Name each parameter, e.g. factor = 8.0.")
+        if k in out:
+            raise _fail(f"{name}.{k}", v, "each parameter once", f"Remove the repeated '{k}'.")
+        if k in ROPE_LIST_PARAMS:
+            if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, (list, tuple)) or not v or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0
+                    for x in v):
+                raise _fail(f"{name}.{k}", v, "a non-empty list of finite numbers > 0 (one per rotary "
+                            "frequency: rotary_dim / 2 of them)",
+                            f"Give {k} as a list of numbers, e.g. {k} = [1.0, 1.0, ...] from config.json.")
+            out[k] = tuple(float(x) for x in v)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _fail(f"{name}.{k}", v, "a finite number",
                         "Give each rope scaling parameter as a number, e.g. factor = 8.0.")
-        out.append((k, float(v)))
-    return tuple(sorted(out))
+        out[k] = float(v)
+    return tuple(sorted(out.items(), key=lambda kv: kv[0]))
+
+
+def _check_rope_scaling_params(name: str, scaling: str, params: tuple, rope_dim: int) -> None:
+    """List-valued parameters only for longrope, each rope_dim / 2 long."""
+    for k, v in params:
+        if isinstance(v, tuple):
+            if scaling != "longrope":
+                raise _fail(f"{name}.{k}", list(v), f"list-valued parameters are longrope's {list(ROPE_LIST_PARAMS)}",
+                            f"Remove {k}, or set the scaling to 'longrope'.")
+            if len(v) != rope_dim // 2:
+                raise _fail(f"{name}.{k}", f"<{len(v)} numbers>", f"longrope needs rotary_dim / 2 = {rope_dim // 2} "
+                            f"numbers (rotary_dim {rope_dim})",
+                            f"Give {rope_dim // 2} factors, or check rotary_dim / head_dim against config.json.")
+
+
+# The fields added after the first released spec format: left out of the canonical form
+# (to_dict / canonical_json / spec_hash) while at their default, so a spec that does not
+# use them keeps the hash it had before they existed.
+_OMITTED_AT_DEFAULT = {"rotary_dim": None, "sliding_rope_theta": None, "sliding_rope_scaling": "none",
+                       "sliding_rope_scaling_params": {}, "attn_logit_softcap": False}
 
 
 @dataclass(frozen=True)
@@ -145,7 +183,13 @@ class Spec:
     rope_style: str = "neox"
     rope_theta: float = 150000.0
     rope_scaling: str = "none"
-    rope_scaling_params: tuple[tuple[str, float], ...] = ()
+    rope_scaling_params: tuple[tuple[str, Any], ...] = ()
+    # RoPE rotates the first rotary_dim dims of each head (None: all head_dim); the rest pass through.
+    rotary_dim: int | None = None
+    # Sliding layers' own (theta, scaling) (Gemma 3's local RoPE); None theta: the main ones above.
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: str = "none"
+    sliding_rope_scaling_params: tuple[tuple[str, Any], ...] = ()
     rms_eps: float = 1e-6
     softmax_scale: float | None = None
     max_tokens: int = 8
@@ -162,6 +206,19 @@ class Spec:
         object.__setattr__(self, "rope_scaling_params", _rope_params(self.rope_scaling_params))
         if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
             object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        object.__setattr__(self, "sliding_rope_scaling_params",
+                           _rope_params(self.sliding_rope_scaling_params, "sliding_rope_scaling_params"))
+        if isinstance(self.sliding_rope_theta, int) and not isinstance(self.sliding_rope_theta, bool):
+            object.__setattr__(self, "sliding_rope_theta", float(self.sliding_rope_theta))
+        # One spelling per meaning (equal specs hash equally): rotary_dim == head_dim is None, and
+        # sliding RoPE equal to the main one is unset.
+        if self.rotary_dim == self.head_dim and type(self.rotary_dim) is int:
+            object.__setattr__(self, "rotary_dim", None)
+        if (self.sliding_rope_theta, self.sliding_rope_scaling, self.sliding_rope_scaling_params) == (
+                self.rope_theta, self.rope_scaling, self.rope_scaling_params):
+            object.__setattr__(self, "sliding_rope_theta", None)
+            object.__setattr__(self, "sliding_rope_scaling", "none")
+            object.__setattr__(self, "sliding_rope_scaling_params", ())
         self._validate()
 
     # ------------------------------------------------------------- validation
@@ -221,8 +278,52 @@ class Spec:
         if self.rope_style == "none" and self.rope_scaling != "none":
             raise _fail("rope_scaling", self.rope_scaling, "rope_style is 'none'",
                         "Set rope_scaling to 'none' or choose a rope_style.")
+        self._validate_rope_variants()
+
+    def _validate_rope_variants(self) -> None:
+        """rotary_dim and the sliding layers' RoPE (see the field comments)."""
+        if self.rotary_dim is not None:
+            _check_int("rotary_dim", self.rotary_dim)
+            if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim:
+                raise _fail("rotary_dim", self.rotary_dim, f"an even number in 2..head_dim = {self.head_dim} "
+                            "(RoPE rotates pairs of the first rotary_dim dims of each head)",
+                            "Set rotary_dim to int(head_dim * partial_rotary_factor) from config.json, or "
+                            "remove it to rotate the whole head.")
+            if self.rope_style == "none":
+                raise _fail("rotary_dim", self.rotary_dim, "rope_style is 'none'",
+                            "Remove rotary_dim or choose a rope_style.")
+        _check_rope_scaling_params("rope_scaling_params", self.rope_scaling, self.rope_scaling_params,
+                                   self.rope_dim)
+        _check_choice("sliding_rope_scaling", self.sliding_rope_scaling, SUPPORTED_ROPE_SCALINGS)
+        if self.sliding_rope_theta is None:
+            if self.sliding_rope_scaling != "none" or self.sliding_rope_scaling_params:
+                raise _fail("sliding_rope_scaling", self.sliding_rope_scaling,
+                            "sliding_rope_scaling(_params) need sliding_rope_theta (unset: sliding layers use "
+                            "rope_theta / rope_scaling)", "Set sliding_rope_theta too, or remove them.")
+            return
+        _check_float("sliding_rope_theta", self.sliding_rope_theta)
+        if self.rope_style == "none":
+            raise _fail("sliding_rope_theta", self.sliding_rope_theta, "rope_style is 'none'",
+                        "Remove the sliding_rope_* fields or choose a rope_style.")
+        if not self.has_sliding:
+            raise _fail("sliding_rope_theta", self.sliding_rope_theta, "no layer in layer_types is 'sliding'",
+                        "Remove the sliding_rope_* fields, or mark the sliding layers in layer_types.")
+        _check_rope_scaling_params("sliding_rope_scaling_params", self.sliding_rope_scaling,
+                                   self.sliding_rope_scaling_params, self.rope_dim)
 
     # ------------------------------------------------------------- derived
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (rotary_dim, or head_dim when unset)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def rope_for(self, layer_type: str = "full") -> tuple[float, str, tuple[tuple[str, Any], ...]]:
+        """(theta, scaling, scaling params) of the RoPE of 'full' or 'sliding' layers."""
+        _check_choice("layer_type", layer_type, LAYER_TYPES)
+        if layer_type == "sliding" and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, self.sliding_rope_scaling, self.sliding_rope_scaling_params
+        return self.rope_theta, self.rope_scaling, self.rope_scaling_params
+
     @property
     def gqa(self) -> int:
         return self.num_q_heads // self.num_kv_heads
@@ -261,7 +362,11 @@ class Spec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
-        d["rope_scaling_params"] = {k: v for k, v in self.rope_scaling_params}
+        for f in ("rope_scaling_params", "sliding_rope_scaling_params"):
+            d[f] = {k: list(v) if isinstance(v, tuple) else v for k, v in getattr(self, f)}
+        for f, default in _OMITTED_AT_DEFAULT.items():
+            if d[f] == default:
+                del d[f]
         return d
 
     def canonical_json(self) -> str:

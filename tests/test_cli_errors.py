@@ -35,7 +35,7 @@ TOML_FIELDS = [
     ("q_heads_zero", "num_q_heads = 0", ["num_q_heads", "0"]),
     ("q_heads_not_multiple", "num_q_heads = 33", ["num_q_heads", "33", "num_kv_heads"]),
     ("kv_heads_str", 'num_kv_heads = "4"', ["num_kv_heads", "'4'"]),
-    ("head_dim_100", "head_dim = 100", ["head_dim", "100", "[64, 128, 256]"]),
+    ("head_dim_100", "head_dim = 100", ["head_dim", "100", "[64, 96, 128, 256]"]),
     ("page_size_8", "page_size = 8", ["page_size", "8", "[16, 32, 64]"]),
     ("kv_dtype", 'kv_cache_dtype = "fp8_e5m2"', ["kv_cache_dtype", "'fp8_e5m2'"]),
     ("kv_layout", 'kv_layout = "NHD"', ["kv_layout", "'NHD'"]),
@@ -59,6 +59,11 @@ TOML_FIELDS = [
      ["rope_scaling_params.factor", "'x'"]),
     ("rope_params_type", "rope_scaling_params = 3", ["rope_scaling_params", "3"]),
     ("rope_none_scaled", 'rope_style = "none"\nrope_scaling = "llama3"', ["rope_scaling", "'llama3'"]),
+    ("rotary_dim_odd", "rotary_dim = 63", ["rotary_dim", "63", "2..head_dim = 128"]),
+    ("rotary_dim_str", 'rotary_dim = "64"', ["rotary_dim", "'64'"]),
+    ("sliding_rope_scaling", 'sliding_rope_theta = 1e4\nsliding_rope_scaling = "ntk"', ["sliding_rope_scaling", "'ntk'"]),
+    ("longrope_factors_len", 'rope_scaling = "longrope"\nrope_scaling_params = { short_factor = [1.0, 1.0] }',
+     ["rope_scaling_params.short_factor", "rotary_dim / 2 = 64"]),
     ("eps_zero", "rms_eps = 0.0", ["rms_eps", "0.0"]),
     ("scale_neg", "softmax_scale = -1.0", ["softmax_scale", "-1.0"]),
     ("max_tokens_zero", "max_tokens = 0", ["max_tokens", "0"]),
@@ -129,7 +134,7 @@ ARGS = [
     ("spec_dir", ["show-spec", "--spec", "/"], ["'/'", "directory"]),
     ("hf_missing", ["show-spec", "--hf-config", "/nonexistent/config.json"], ["/nonexistent/config.json"]),
     ("other_toolchains", ["cache", "clean", "--other-toolchains"], ["--other-toolchains", "--stale"]),
-    ("head_dim_256", ["list", "--spec", "{tmp}/hd256.toml"], ["decode_attention", "head_dim = 256"]),
+    ("head_dim_256", ["list", "--spec", "{tmp}/hd256.toml"], ["decode_attention", "head_dim = 256 with GQA 16"]),
 ]
 ENV = [
     ("lock_abc", {"FLINTGEN_LOCK_TIMEOUT": "abc"}, ["FLINTGEN_LOCK_TIMEOUT", "'abc'"]),
@@ -179,7 +184,7 @@ def _invoke(kind, payload, tmp_path):
         f.write_text(payload if isinstance(payload, str) else json.dumps(payload))
         args = ["show-spec", "--hf-config", str(f)]
     elif kind == "args":
-        (tmp_path / "hd256.toml").write_text('preset = "flint"\nhidden_size = 4096\nhead_dim = 256\n')
+        (tmp_path / "hd256.toml").write_text('preset = "flint"\nhidden_size = 4096\nhead_dim = 256\nnum_q_heads = 64\n')
         args = [a.replace("{tmp}", str(tmp_path)) for a in payload]
         args += ["--cache-dir", str(tmp_path / "c")] if args[0] == "cache" else []
     else:

@@ -38,12 +38,12 @@ def test_qwen3_and_llama_mapping():
 
 
 def test_unmappable_fields_are_named():
-    cfg = dict(_cfg("llama-3.1-8b"), model_type="bloom", rope_scaling={"rope_type": "longrope"})
+    cfg = dict(_cfg("llama-3.1-8b"), model_type="bloom", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     cfg.pop("hidden_size")
     with pytest.raises(ValueError) as e:
         spec_from_hf_config(cfg)
     msg = str(e.value)
-    assert "model_type 'bloom'" in msg and "'longrope'" in msg and "hidden_size: missing" in msg
+    assert "model_type 'bloom'" in msg and "rope_scaling.rope_type 'dynamic'" in msg and "hidden_size: missing" in msg
 
 
 def test_attn_logit_softcapping_mapping():

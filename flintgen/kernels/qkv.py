@@ -76,6 +76,16 @@ class QKVDef(KernelDef):
     # Compiled spill-free for hidden 512 ... 16384, bf16 and NVFP4 (ptxas 13.0: at most 148 registers).
     limits = {"hidden_size": (512, 16384), "max_tokens": (1, MAX_TOKENS_LIMIT)}
 
+    def check_limits(self, spec: Spec) -> None:
+        super().check_limits(spec)
+        # The epilogue rotates whole heads with NeoX pairs; partial rotary and interleaved
+        # pairing (flintgen.references.qkv has both) are not in the kernel yet: refuse them
+        # rather than compute NeoX. Per-layer-type RoPE needs nothing here (one table per layer).
+        if spec.rope_style == "interleaved" or spec.rope_dim != spec.head_dim:
+            raise ValueError(f"kernel qkv supports rope_style 'neox' over the whole head (rotary_dim = head_dim "
+                             f"= {spec.head_dim}), got rope_style {spec.rope_style!r}, rotary_dim {spec.rope_dim} "
+                             f"(spec {spec.name!r}): partial / interleaved RoPE is not in the kernel yet")
+
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
         self.check_limits(spec)
         # The debug variant (pre-norm rows) is built on demand only.
