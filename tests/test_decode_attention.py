@@ -107,7 +107,7 @@ def test_head_dim_256_with_two_head_tiles_is_rejected_with_the_reason():
     spec = FLINT.replace(head_dim=256, num_q_heads=36, num_kv_heads=4)                      # GQA 9
     for build in (lambda: KDEF.variants(spec, T132), lambda: KDEF.bind(spec, T132, lambda v: None)):
         with pytest.raises(NotImplementedError, match=r"head_dim = 256 with GQA 9 is not supported \(supported: "
-                                                      r"GQA 1\.\.8 at head_dim 256\): register budget\. .*tp_size"):
+                                                      r"GQA 1\.\.8 at head_dim 256\): register budget\. .*Use a spec with at most 8"):
             build()
 
 

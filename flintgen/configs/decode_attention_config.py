@@ -193,8 +193,9 @@ def check_supported(*, head_dim: int, gqa: int, page_size: int, kv_dtype: str = 
             f"decode_attention: head_dim = 256 with GQA {gqa} is not supported (supported: GQA 1..{HEAD_TILE} "
             f"at head_dim 256): register budget. Two head tiles put 128 fp32 O accumulators and 64 u32 of q "
             "in every lane besides a slice's K or V fragments, more than the 255 registers of an sm_90 "
-            "thread. Split the kv heads over more ranks (tp_size) so that a rank holds at most "
-            f"{HEAD_TILE} q heads per kv head."
+            "thread. Use a spec with at most "
+            f"{HEAD_TILE} q heads per kv head on a rank at head_dim 256 (every Gemma has 2-4), or build the "
+            "other kernels alone (--kernel)."
         )
     for name, value, ok, why in (
         ("head_dim", head_dim, SUPPORTED_HEAD_DIMS,
