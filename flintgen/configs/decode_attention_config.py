@@ -394,7 +394,13 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
     splits = max(1, 2 * num_sms // num_bh)
     if num_bh <= 8:
         return DecodeAttentionConfig(splits, 4, 4, 1, False, 2, 64, gqa)
-    return DecodeAttentionConfig(splits, 4, 4 if num_bh <= 16 else 6, 4, False, 2, 64, gqa)
+    # Two splits take 4 stages, not 6: with 5 or 6 (and pages of 32 / 64
+    # tokens) ptxas allocates 72 registers and spills 8 bytes, one tile, any
+    # GQA 2..8 (CuTe DSL 4.8.1, sm_90a; 16-token pages: 85, clean); 4 stages
+    # compile clean at 78 (tests/test_decode_attention_grid.py). Unmeasured
+    # on the GPU: 16 instead of 24 KB in flight per warp at 67..88 pairs.
+    stages = 4 if num_bh <= 16 or splits == 2 else 6
+    return DecodeAttentionConfig(splits, 4, stages, 4, False, 2, 64, gqa)
 
 
 def _merge_by_four(num_splits: int, head_dim: int, gqa: int, num_warps: int) -> dict:
