@@ -72,7 +72,7 @@ def test_grid_configs_valid(gqa, head_dim):
                     assert c.cluster == (window is not None and dac.is_short_window(window) and b * kv <= 64)
                     assert c.kv_parts == (2 if head_dim == 256 else 1)
                     assert c.ring_bytes + 4 * c.cluster_floats <= dac.SMEM_PER_CTA_MAX
-                assert dac.max_partials(cfgs, kv) <= 2 * sms
+                assert dac.max_partials(cfgs, kv) <= 3 * sms   # head_dim 64: 3 splits x 88 pairs
 
 
 @pytest.mark.parametrize("gqa", [9, 12, 16])

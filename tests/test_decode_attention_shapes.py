@@ -71,7 +71,7 @@ def test_configs_valid_for_every_shape(gqa, head_dim, page):
                     assert c.scratch_bytes <= c.ring_bytes and c.dims_per_thread >= 4
                     if c.ctas_per_sm:
                         assert c.ring_bytes <= dac.SMEM_PER_SM // c.ctas_per_sm
-                assert dac.max_partials(cfgs, kv) <= 2 * sms
+                assert dac.max_partials(cfgs, kv) <= 3 * sms   # head_dim 64: 3 splits x 88 pairs
 
 
 @pytest.mark.parametrize("gqa, page", [(4, 16), (8, 32), (8, 64), (4, 64)])

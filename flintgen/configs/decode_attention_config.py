@@ -394,13 +394,13 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
     splits = max(1, 2 * num_sms // num_bh)
     if num_bh <= 8:
         return DecodeAttentionConfig(splits, 4, 4, 1, False, 2, 64, gqa)
-    # Two splits take 4 stages, not 6: with 5 or 6 (and pages of 32 / 64
-    # tokens) ptxas allocates 72 registers and spills 8 bytes, one tile, any
-    # GQA 2..8 (CuTe DSL 4.8.1, sm_90a; 16-token pages: 85, clean); 4 stages
-    # compile clean at 78 (tests/test_decode_attention_grid.py). Unmeasured
-    # on the GPU: 16 instead of 24 KB in flight per warp at 67..88 pairs.
-    stages = 4 if num_bh <= 16 or splits == 2 else 6
-    return DecodeAttentionConfig(splits, 4, stages, 4, False, 2, 64, gqa)
+    if splits == 2:
+        # 67..88 pairs: 3 splits, not 2. The 2-split binary spills at 72
+        # registers (8-40 bytes) for most stage counts and page sizes (CuTe
+        # DSL 4.8.1 / ptxas, sm_90a; 3 splits compile clean at 80-90:
+        # tests/test_decode_attention_grid.py). 264 CTAs still fit one wave.
+        splits = 3
+    return DecodeAttentionConfig(splits, 4, 4 if num_bh <= 16 else 6, 4, False, 2, 64, gqa)
 
 
 def _merge_by_four(num_splits: int, head_dim: int, gqa: int, num_warps: int) -> dict:
