@@ -18,7 +18,7 @@ Emulated semantics:
 * Warps: shuffles and ``mma.sync.m16n8k16`` exchange values through a
   32-thread barrier (PTX fragment layouts); fp32 math in numpy float32,
   bf16 rounding to nearest even. ``ex2.approx`` is numpy's fp32 exp2 (within
-  1 ulp; the hardware's is within 2), ``rcp.rn`` an IEEE fp32 division.
+  1 ulp; the hardware's is within 2), ``rcp.approx`` the rounded fp32 quotient (the hardware is within 1 ulp).
 * mbarriers: arrival count + transaction bytes + phase; a bulk copy lands at
   once and completes its bytes. ``try_wait.parity P`` returns once the phase
   of parity P completed.
@@ -408,7 +408,7 @@ def _ptx(gmem):
     p.lds_f32x2 = lambda addr: tuple(_smem_read(int(addr), np.float32, 2))
     p.stg_f32x2 = lambda addr, a, b: gmem.write(int(addr), np.float32, [a, b])
     p.st_cluster_f32x2 = lambda addr, a, b: _smem_write(int(addr), np.float32, [a, b])
-    p.rcp_rn = _rcp_rn_ftz
+    p.rcp_approx = _rcp_ftz
     return p
 
 
@@ -418,8 +418,8 @@ def _ftz(x):
     return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.copysign(np.float32(0.0), x), x).astype(np.float32)[()]
 
 
-def _rcp_rn_ftz(x):
-    """rcp.rn.ftz.f32: numpy's fp32 division is IEEE round-to-nearest."""
+def _rcp_ftz(x):
+    """rcp.approx.ftz.f32 (within 1 ulp) emulated as the rounded fp32 quotient."""
     with np.errstate(divide="ignore"):
         return _ftz(np.float32(1.0) / _ftz(x))
 

@@ -71,12 +71,14 @@ def _logits(rng, cap, scale):
 
 def test_softcap_formula_error():
     """``softcap_logit`` (cap - 2 cap / (ex2(s k) + 1), k = 2 log2(e) scale /
-    cap; ex2.approx, rcp.rn, fma) against fp64 cap * tanh(s * scale / cap),
-    with ex2 exact in fp32 and off by +-2 ulp (ex2.approx's bound): the
-    absolute error stays below 3.2e-7 * cap (measured at most 3.0e-7 * cap),
+    cap; ex2.approx, rcp.approx, fma) against fp64 cap * tanh(s * scale / cap),
+    with ex2 exact in fp32 and off by +-2 ulp and the reciprocal off by +-1
+    ulp (the PTX bounds): the absolute error stays below 5.5e-7 * cap (measured
+    at most 5.3e-7 * cap),
     the result within [-cap, cap], exactly +-cap once saturated and 0 at 0."""
     m = _emulated_decode_mma()
     exact_ex2 = m.ptx.ex2
+    exact_rcp = m.rcp_approx
     rng = np.random.default_rng(7)
     worst = 0.0
     for cap in (1.0, 5.0, 30.0, 50.0):
@@ -84,16 +86,18 @@ def test_softcap_formula_error():
             s = _logits(rng, cap, scale)
             ref = cap * np.tanh(s.astype(np.float64) * scale / cap)
             _, k, c = (np.float32(x) for x in launch_scalars(scale, cap))
-            for ulps in (0, 2, -2):  # (ex2 overflows to inf where s k > 128: expected)
+            for ulps, rulps in ((0, 0), (2, 1), (-2, -1), (2, -1), (-2, 1)):
+                # ex2 off by +-2 ulp, rcp.approx by +-1 (ex2 overflows to inf where s k > 128: expected)
                 m.ptx.ex2 = lambda x, u=ulps: np.float32(exact_ex2(x) * (1.0 + u * 2.0 ** -23))
+                m.rcp_approx = lambda x, u=rulps: np.float32(exact_rcp(x) * (1.0 + u * 2.0 ** -23))
                 with np.errstate(over="ignore"):
                     got = m.softcap_logit(s, k, c)
                 assert got.dtype == np.float32
                 err = np.abs(got.astype(np.float64) - ref).max() / cap
                 worst = max(worst, err)
-                assert err < 3.2e-7, (cap, scale, ulps, err)
+                assert err < 5.5e-7, (cap, scale, ulps, rulps, err)
                 assert np.abs(got).max() <= np.float32(cap)
-            m.ptx.ex2 = exact_ex2
+            m.ptx.ex2, m.rcp_approx = exact_ex2, exact_rcp
             assert m.softcap_logit(np.float32(0.0), k, c) == 0.0
             big = np.float32(60 * cap / scale)    # ex2 overflows to inf / flushes to 0
             with np.errstate(over="ignore"):
@@ -314,7 +318,7 @@ def _compile_cases():
 @pytest.mark.compile
 @pytest.mark.parametrize("spec, variant", _compile_cases())
 def test_softcap_variant_compiles_clean(spec, variant):
-    """No spills, stack or local memory; the tanh is ex2.approx + rcp.rn, never tanh.approx."""
+    """No spills, stack or local memory; the tanh is ex2.approx + rcp.approx, never tanh.approx."""
     from flintgen.runtime import load_variant
 
     load_variant(KDEF, spec, variant, T132)   # default cache root: reused across runs
@@ -325,7 +329,7 @@ def test_softcap_variant_compiles_clean(spec, variant):
     assert res["registers"] is not None and res["registers"] <= 255, res
     with open(entry.path("kernel.ptx")) as f:
         ptx = f.read()
-    for need in KDEF.required_ptx + ("rcp.rn.ftz.f32",):
+    for need in KDEF.required_ptx + ("rcp.approx.ftz.f32",):
         assert need in ptx, need
     assert "tanh" not in ptx
     record(f"compile {spec.name} {variant.name}: {res['registers']} registers")

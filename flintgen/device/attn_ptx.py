@@ -29,11 +29,12 @@ def selp_u32(a, b, pred, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def rcp_rn(x, *, loc=None, ip=None):
-    """1 / x rounded to nearest (IEEE ``rcp.rn``, not the approximate MUFU.RCP
-    alone; ftz: a subnormal input or result is 0). Soft-capped logits use it
-    (``decode_mma.softcap_logit``)."""
-    return _asm([Float32], [(Float32, x)], "rcp.rn.ftz.f32 $0, $1;", loc=loc, ip=ip)
+def rcp_approx(x, *, loc=None, ip=None):
+    """1 / x within 1 ulp (``rcp.approx.ftz``: MUFU.RCP; ftz). Soft-capped
+    logits use it (``decode_mma.softcap_logit``): the IEEE ``rcp.rn`` has a
+    slow path that ptxas compiles as a subroutine call, whose ABI cost a
+    stack frame and spills in several variants (8 bytes at 80 registers)."""
+    return _asm([Float32], [(Float32, x)], "rcp.approx.ftz.f32 $0, $1;", loc=loc, ip=ip)
 
 
 @dsl_user_op
