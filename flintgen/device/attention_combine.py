@@ -77,6 +77,18 @@ def _ld_f32s(dst, off: cutlass.Constexpr, addr, EV: cutlass.Constexpr):
 
 
 @cute.jit
+def _store_f32s(dst, o, E: cutlass.Constexpr, store4: cutlass.Constexpr, store2: cutlass.Constexpr):
+    """``o[0 .. E]`` -> ``dst`` through ``store4`` (16-byte) or, when E is not
+    a multiple of 4, ``store2`` (8-byte) accesses (global or DSMEM stores)."""
+    if cutlass.const_expr(vec_floats(E) == 4):
+        for i in cutlass.range_constexpr(E // 4):
+            store4(dst + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
+    else:
+        for i in cutlass.range_constexpr(E // 2):
+            store2(dst + 8 * i, o[2 * i], o[2 * i + 1])
+
+
+@cute.jit
 def _weight(m_r, scale_log2, m_s):
     """exp2(m_r * c - m * c), 0 for an empty partial (m_r = -inf; also when
     m = -inf, where the fma alone would give NaN)."""
@@ -197,13 +209,7 @@ def publish_partial(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constex
 @cute.jit
 def _publish(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constexpr, D: cutlass.Constexpr,
              G: cutlass.Constexpr):
-    po = po_row + (eh * D + ed) * 4
-    if cutlass.const_expr(vec_floats(E) == 4):
-        for i in cutlass.range_constexpr(E // 4):
-            ptx.stg_f32x4(po + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
-    else:
-        for i in cutlass.range_constexpr(E // 2):
-            stg_f32x2(po + 8 * i, o[2 * i], o[2 * i + 1])
+    _store_f32s(po_row + (eh * D + ed) * 4, o, E, ptx.stg_f32x4, stg_f32x2)
     if ed == 0:
         ptx.stg_f32(pml_row + eh * 4, m_cta)
         ptx.stg_f32(pml_row + (G + eh) * 4, l_cta)
@@ -493,13 +499,7 @@ def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale
     L_OFF = M_OFF + TH * NSPLIT
     peer = ptx.mapa(cbuf, Int32(ed // DPR))
     cute.arch.cluster_wait()
-    dst = peer + ((rank * TH + eh) * DPR + ed % DPR) * 4
-    if cutlass.const_expr(vec_floats(E) == 4):
-        for i in cutlass.range_constexpr(E // 4):
-            ptx.st_cluster_f32x4(dst + 16 * i, o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3])
-    else:
-        for i in cutlass.range_constexpr(E // 2):
-            st_cluster_f32x2(dst + 8 * i, o[2 * i], o[2 * i + 1])
+    _store_f32s(peer + ((rank * TH + eh) * DPR + ed % DPR) * 4, o, E, ptx.st_cluster_f32x4, st_cluster_f32x2)
     if ed % DPR == 0:
         ptx.st_cluster_f32(peer + (M_OFF + rank * TH + eh) * 4, m_cta)
         ptx.st_cluster_f32(peer + (L_OFF + rank * TH + eh) * 4, l_cta)
