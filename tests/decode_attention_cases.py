@@ -167,3 +167,22 @@ def precompile(plans, kdef, target, no_load):
         for f in cf.as_completed(futs):
             f.result()
     return len(todo)
+
+
+def check_compiled(kdef, spec, variant, target, *, need=()):
+    """The cached build of ``variant``: no spills, stack or local memory, at
+    most 255 registers, sm_90a PTX with the kernel's required instructions
+    (and ``need``). Returns (ptxas resources, PTX text)."""
+    from flintgen import cache
+
+    entry = cache.make_entry(variant, kdef.template, dict(kdef.render_params(spec, variant)), target)
+    res = cache.read_meta(entry)["resources"]
+    assert res["registers"] is not None and res["registers"] <= 255, res
+    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
+    assert res["stack_bytes"] == 0 and not res["local_memory"], res
+    with open(entry.path("kernel.ptx")) as f:
+        ptx = f.read()
+    assert ".target sm_90a" in ptx
+    for p in tuple(kdef.required_ptx) + tuple(need):
+        assert p in ptx, p
+    return res, ptx

@@ -33,7 +33,7 @@ from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef
 from flintgen.presets import FLINT
 
-from decode_attention_cases import Case, lens_for, precompile, record
+from decode_attention_cases import Case, check_compiled, lens_for, precompile, record
 
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
@@ -143,17 +143,8 @@ def test_grid_family_compiles_clean(built_families, key):
     built = built_families[v.name]
     if isinstance(built, Exception):
         raise built
-    entry = cache.make_entry(v, KDEF.template, dict(KDEF.render_params(spec, v)), T132)
-    assert entry.dir == built
-    res = cache.read_meta(entry)["resources"]
-    assert res["registers"] is not None and res["registers"] <= 255, res
-    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
-    assert res["stack_bytes"] == 0 and not res["local_memory"], res
-    with open(entry.path("kernel.ptx")) as f:
-        ptx = f.read()
-    assert ".target sm_90a" in ptx
-    for need in KDEF.required_ptx:
-        assert need in ptx, need
+    assert cache.make_entry(v, KDEF.template, dict(KDEF.render_params(spec, v)), T132).dir == built
+    _, ptx = check_compiled(KDEF, spec, v, T132)
     assert ("mapa.shared::cluster" in ptx) == v["cluster"]
 
 

@@ -21,14 +21,14 @@ import random
 import pytest
 import torch
 
-from flintgen import cache, codegen
+from flintgen import codegen
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef, _check_softcap
 from flintgen.layout import AttentionLayout
 from flintgen.presets import FLINT
 
-from decode_attention_cases import Case, lens_for, precompile, record, refill
+from decode_attention_cases import Case, check_compiled, lens_for, precompile, record, refill
 
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
@@ -234,15 +234,7 @@ def test_variant_compiles_clean(spec, variant):
     from flintgen.runtime import load_variant
 
     load_variant(KDEF, spec, variant, T132)   # default cache root: reused across runs
-    entry = cache.make_entry(variant, KDEF.template, dict(KDEF.render_params(spec, variant)), T132)
-    res = cache.read_meta(entry)["resources"]
-    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
-    assert res["stack_bytes"] == 0 and not res["local_memory"], res
-    assert res["registers"] is not None and res["registers"] <= 255, res
-    with open(entry.path("kernel.ptx")) as f:
-        ptx = f.read()
-    for need in KDEF.required_ptx:
-        assert need in ptx, need
+    res, ptx = check_compiled(KDEF, spec, variant, T132)
     assert ("mapa.shared::cluster" in ptx) == variant["cluster"]
     assert ("atom.acq_rel.gpu.global.add.s32" in ptx) == (variant["num_splits"] > 1 and not variant["cluster"])
     record(f"compile {spec.name} {variant.name}: {res['registers']} registers")

@@ -31,7 +31,7 @@ from flintgen.references.decode_attention import (
     rel_error,
 )
 
-from decode_attention_cases import Case, precompile, record, refill
+from decode_attention_cases import Case, check_compiled, precompile, record, refill
 from test_decode_attention_shapes import EmulatedOp, run_shape, shape_spec
 
 KDEF = DecodeAttentionDef()
@@ -322,15 +322,7 @@ def test_softcap_variant_compiles_clean(spec, variant):
     from flintgen.runtime import load_variant
 
     load_variant(KDEF, spec, variant, T132)   # default cache root: reused across runs
-    entry = cache.make_entry(variant, KDEF.template, dict(KDEF.render_params(spec, variant)), T132)
-    res = cache.read_meta(entry)["resources"]
-    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
-    assert res["stack_bytes"] == 0 and not res["local_memory"], res
-    assert res["registers"] is not None and res["registers"] <= 255, res
-    with open(entry.path("kernel.ptx")) as f:
-        ptx = f.read()
-    for need in KDEF.required_ptx + ("rcp.approx.ftz.f32",):
-        assert need in ptx, need
+    res, ptx = check_compiled(KDEF, spec, variant, T132, need=("rcp.approx.ftz.f32",))
     assert "tanh" not in ptx
     record(f"compile {spec.name} {variant.name}: {res['registers']} registers")
 
