@@ -2,8 +2,9 @@
 
     compute-sanitizer --tool memcheck python tools/sanitize_decode.py 3:128:16 12:64:32 ...
 
-Each argument is ``gqa:head_dim:page[:kv_heads[:long]]`` (kv heads default
-2, ``long`` 700 tokens); every one runs its windowed (128) and full-attention
+Each argument is ``gqa:head_dim:page[:kv_heads[:long[:cap]]]`` (kv heads
+default 2, ``long`` 700 tokens, ``cap`` 0: no soft-capping; e.g.
+``2:256:16:8:700:50`` is Gemma 2's soft-capped attention); every one runs its windowed (128) and full-attention
 launch at batch 1 (one request of ``long`` tokens: global split partials
 merged, several splits; ``8:128:16:2:33000`` selects the 4-CTA merge of 66
 splits, ``8:64:16:1:33000`` gpt-oss at TP 8) and batch 3 (cluster or few
@@ -24,15 +25,18 @@ from flintgen.presets import FLINT  # noqa: E402
 
 def main(shapes):
     for arg in shapes:
-        gqa, d, page, kv, long = ([int(x) for x in arg.split(":")] + [2, 700][len(arg.split(":")) - 3:])[:5]
-        spec = FLINT.replace(name=f"san-g{gqa}-d{d}-p{page}-kv{kv}", num_q_heads=kv * gqa, num_kv_heads=kv,
-                             head_dim=d, page_size=page, max_batch=4)
+        fields = [int(x) for x in arg.split(":")]
+        gqa, d, page, kv, long, cap = (fields + [2, 700, 0][len(fields) - 3:])[:6]
+        spec = FLINT.replace(name=f"san-g{gqa}-d{d}-p{page}-kv{kv}" + (f"-cap{cap}" if cap else ""),
+                             num_q_heads=kv * gqa, num_kv_heads=kv, head_dim=d, page_size=page, max_batch=4,
+                             attn_logit_softcap=bool(cap))
         op = flintgen.get_kernel(spec, "decode_attention")
         for window in (128, None):
             for lens in ([long], [0, 1, page + 1], [129, 17, 2 * page]):
-                case = Case(spec, lens, window, seed=len(lens) + gqa)
+                case = Case(spec, lens, window, seed=len(lens) + gqa, softcap=float(cap) if cap else None,
+                            q_scale=float(cap) if cap else 1.5)
                 out = case.poisoned_out()
-                op(*case.args(out))
+                op(*case.args(out), **case.kwargs())
                 case.check(out, f"{spec.name} window={window} lens={lens} "
                                 f"{op.config(len(lens), window is not None).as_params()}")
     print("sanitize_decode: all outputs match the reference")
