@@ -15,7 +15,9 @@ path) x kv heads 1 and 8 x pages 16 and 64, max_batch 256.
   head tiles, merge, cluster) the most-split launch too (its merge loops are
   unrolled over the static split count: the register-heaviest). kv heads
   change only the grid's y extent and which families a batch picks, so the
-  families of both kv counts are compiled once each. The full product (5556
+  families of both kv counts are compiled once each. Soft-capping is on with
+  pages of 64 and off with 16 (a pairwise cover: capping touches only the
+  scores, the page only the block-id path). The full product (about 11000
   launch variants at max_batch 256) differs from these only in constants.
 * ``gpu`` (H200): every (GQA, head_dim) at B = 1, 3 and 64, full attention
   and window 128, mixed lengths (0, 1, slice / page / window edges, up to
@@ -44,11 +46,13 @@ WINDOWS = (None, 128, 4096)          # full; short (cluster path); long (split p
 LONG_WINDOWS = (512, 1024, 2047, 4096)
 
 
-def grid_spec(gqa, head_dim, *, kv=8, page=16, window=None, sinks=True, max_batch=256):
+def grid_spec(gqa, head_dim, *, kv=8, page=16, window=None, sinks=True, max_batch=256, softcap=False):
     kinds = ("full",) if window is None else ("sliding", "full")
-    return FLINT.replace(name=f"grid-g{gqa}-d{head_dim}-kv{kv}-p{page}-w{window}-{'s' if sinks else 'n'}",
+    return FLINT.replace(name=f"grid-g{gqa}-d{head_dim}-kv{kv}-p{page}-w{window}-{'s' if sinks else 'n'}"
+                              + ("-cap" if softcap else ""),
                          num_q_heads=gqa * kv, num_kv_heads=kv, head_dim=head_dim, page_size=page,
-                         sinks=sinks, sliding_window=window, layer_types=kinds, max_batch=max_batch)
+                         sinks=sinks, sliding_window=window, layer_types=kinds, max_batch=max_batch,
+                         attn_logit_softcap=softcap)
 
 
 def _no_load(v):
@@ -84,7 +88,7 @@ def test_head_dim_256_with_two_tiles_is_refused(gqa):
 # ----------------------------------------------------------------- compile (CI)
 def family(v):
     return (v["gqa"], v["head_dim"], v["page_size"] > 16, v["sliding"], v["cluster"], v["num_warps"],
-            v["num_splits"] > 1, v["merge_ctas"], v["merge_from"] > 0)
+            v["num_splits"] > 1, v["merge_ctas"], v["merge_from"] > 0, bool(dict(v.params).get("softcap")))
 
 
 def grid_families():
@@ -97,12 +101,15 @@ def grid_families():
         for kv in (1, 8):
             for page in (16, 64):
                 for window in WINDOWS:
-                    spec = grid_spec(gqa, d, kv=kv, page=page, window=window)
+                    # Soft-capping pairs with the page size (on with pages of 64): each
+                    # family of both is compiled, not the product (capping changes only
+                    # the scores; the page only the block-id path).
+                    spec = grid_spec(gqa, d, kv=kv, page=page, window=window, softcap=page == 64)
                     for v in KDEF.variants(spec, T132):
                         k = family(v)
                         if k not in fams or fams[k][1]["num_splits"] > v["num_splits"]:
                             fams[k] = (spec, v)
-                        k = ("heaviest", d, gqa > 8, v["merge_ctas"], v["cluster"])
+                        k = ("heaviest", d, gqa > 8, v["merge_ctas"], v["cluster"], page == 64)
                         if k not in heavy or heavy[k][1]["num_splits"] < v["num_splits"]:
                             heavy[k] = (spec, v)
     return {**fams, **heavy}
