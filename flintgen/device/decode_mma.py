@@ -12,9 +12,9 @@ computed and never stored); GQA 16 is two tiles that share the slice's K/V
 fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
 
 * S^T[token, head] = K Q^T: M = 16 tokens, N = 8 heads, K = D dims in D / 16
-  k-steps (D a multiple of 32). Any permutation of the dims works if A and B agree: k-step
-  ``c = 2 i + h`` covers dims ``32 i + 8 t' + 4 h + 0..3`` (t' < 4), which is
-  what 16-byte shared/global loads give each lane. ``qf[QW tile + 4 i + j]``
+  k-steps (D a multiple of 32). Any permutation of the dims works if A and B
+  agree: k-step ``c = 2 i + h`` covers dims ``32 i + 8 t' + 4 h + 0..3``
+  (t' < 4), which is what 16-byte shared/global loads give each lane. ``qf[QW tile + 4 i + j]``
   (QW = D / 8) = q head 8 tile + g, dims ``32 i + 8 t + 2 j, +1``. Results:
   s0, s1 = token g, heads 2t, 2t+1; s2, s3 = token g + 8.
 * Softmax (fp32): p = exp2(s * c - m * c), c = scale * log2(e), m the running
@@ -206,9 +206,10 @@ def softcap_logit(s, k, cap):
         cap tanh(x) = cap - 2 cap / (e^2x + 1),   e^2x = ex2(s k)
 
     one ``ex2.approx.ftz`` (MUFU.EX2, relative error <= 2 ulp), one
-    ``rcp.approx.ftz`` (MUFU.RCP, <= 1 ulp; the IEEE ``rcp.rn`` compiles to a
-    subroutine call whose stack frame spilled several variants) and an fma. Not ``tanh.approx.f32``: its
-    ~2^-11 relative error is ~0.025 of a logit at cap 50. The result lies in
+    ``rcp.approx.ftz`` (MUFU.RCP, <= 1 ulp; with the IEEE ``rcp.rn`` some
+    variants spilled: ``attn_ptx.rcp_approx``) and an fma. Not
+    ``tanh.approx.f32``: its ~2^-11 relative error is ~0.025 of a logit at
+    cap 50. The result lies in
     [-cap, cap]: exactly cap once ex2 overflows to inf, -cap once it flushes
     to 0; NaN stays NaN (masked lanes are replaced by -inf afterwards).
 
