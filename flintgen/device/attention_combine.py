@@ -77,6 +77,19 @@ def _ld_f32s(dst, off: cutlass.Constexpr, addr, EV: cutlass.Constexpr):
 
 
 @cute.jit
+def _ldg_cg_f32s(addr, N: cutlass.Constexpr):
+    """``N`` (4, 2 or 1) consecutive fp32 at global ``addr``, bypassing L1
+    (partials of other CTAs), as a tuple."""
+    if cutlass.const_expr(N == 4):
+        v = ptx.ldg_cg_f32x4(addr)
+    elif cutlass.const_expr(N == 2):
+        v = ptx.ldg_cg_f32x2(addr)
+    else:
+        v = (ptx.ldg_cg_f32(addr),)
+    return v
+
+
+@cute.jit
 def _store_f32s(dst, o, E: cutlass.Constexpr, store4: cutlass.Constexpr, store2: cutlass.Constexpr):
     """``o[0 .. E]`` -> ``dst`` through ``store4`` (16-byte) or, when E is not
     a multiple of 4, ``store2`` (8-byte) accesses (global or DSMEM stores)."""
@@ -241,10 +254,7 @@ def _load_round(vs, o_base, r0: cutlass.Constexpr, num_loads, RCH: cutlass.Const
             vs[r * E + k] = Float32(0.0)
         if r0 + r < num_loads:
             for i in cutlass.range_constexpr(E // EV):
-                if cutlass.const_expr(EV == 4):
-                    v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * ROW + 16 * i)
-                else:
-                    v = ptx.ldg_cg_f32x2(o_base + Int64(r0 + r) * ROW + 8 * i)
+                v = _ldg_cg_f32s(o_base + Int64(r0 + r) * ROW + 4 * EV * i, EV)
                 for j in cutlass.range_constexpr(EV):
                     vs[r * E + EV * i + j] = v[j]
 
@@ -291,10 +301,7 @@ def stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT: cutlas
     for i in cutlass.range_constexpr((NSPLIT * QN + THREADS - 1) // THREADS):
         idx = tid + i * THREADS
         if idx < num_splits * QN:
-            if cutlass.const_expr(QV == 4):
-                v = ptx.ldg_cg_f32x4(pml_base + Int64(idx) * 16)
-            else:
-                v = ptx.ldg_cg_f32x2(pml_base + Int64(idx) * 8)
+            v = _ldg_cg_f32s(pml_base + Int64(idx) * (4 * QV), QV)
             for j in cutlass.range_constexpr(QV):
                 ptx.sts_f32(ml_smem + (idx * QV + j) * 4, v[j])
     cute.arch.sync_threads()
@@ -449,16 +456,9 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
                     vs = [Float32(0.0)] * (RCH * EM)
                     for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
                         if r0 + r < num_loads:
-                            if cutlass.const_expr(EM == 4):
-                                v = ptx.ldg_cg_f32x4(o_base + Int64(r0 + r) * ROW)
-                                for e in cutlass.range_constexpr(4):
-                                    vs[4 * r + e] = v[e]
-                            elif cutlass.const_expr(EM == 2):
-                                v = ptx.ldg_cg_f32x2(o_base + Int64(r0 + r) * ROW)
-                                vs[2 * r] = v[0]
-                                vs[2 * r + 1] = v[1]
-                            else:
-                                vs[r] = ptx.ldg_cg_f32(o_base + Int64(r0 + r) * ROW)
+                            v = _ldg_cg_f32s(o_base + Int64(r0 + r) * ROW, EM)
+                            for e in cutlass.range_constexpr(EM):
+                                vs[EM * r + e] = v[e]
                     if cutlass.const_expr(k == 0 and r0 == 0):
                         stage_weights(pml_base, num_splits, tid, ml_smem, scale_log2, NSPLIT, NW, G)
                     for r in cutlass.range_constexpr(min(RCH, NSPLIT - r0)):
