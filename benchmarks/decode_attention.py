@@ -109,8 +109,7 @@ class Case:
     def flintgen_fn(self):
         op = flintgen.get_kernel(self.spec, "decode_attention")
         it = {"i": 0}
-        # Soft-cap where the spec asks for it (TODO(softcap): models.SOFTCAP_API guards the field today).
-        kw = {"softcap": self.softcap} if self.softcap and getattr(self.spec, "attn_logit_softcap", False) else {}
+        kw = {"softcap": self.softcap} if getattr(self.spec, "attn_logit_softcap", False) else {}
 
         def fn():
             i = it["i"] = (it["i"] + 1) % len(self.kvs)
@@ -276,8 +275,6 @@ def models_table(name, rows, runs, bw):
         beats = None if med is None or xqa is None else med + extra["spread_us"] + extra["XQA_spread_us"] < xqa
         met = None if med is None or not r.floor_goal else 100 * floor / med >= M.FLOOR_GOAL_PCT
         notes = [f"{k[:-6]}: {_short(v)}" for k, v in extra.items() if k.endswith("_error")]
-        if m.softcap and med is not None and not getattr(spec, "attn_logit_softcap", False):
-            notes.append("flintgen without softcap (API not on this commit)")
         if m.softcap and xqa is not None:
             notes.append("XQA without softcap (it has none)")
         if m.note and r.seq_len == 1024:
@@ -303,7 +300,7 @@ def models_table(name, rows, runs, bw):
                         "implementation. beats XQA: flintgen's median + both spreads below XQA's median. Floor "
                         "= attended K|V bytes of the real head_dim / read bandwidth (padding costs no bytes); "
                         f">= {M.FLOOR_GOAL_PCT:g}% of it is asked at B={M.FLOOR_GOAL_BATCH} x 8k. Gemma-2: "
-                        "softcap 50 for flintgen (where the API exists) and FA4; XQA has none. A refusal is "
+                        "softcap 50 for flintgen and FA4; XQA has none. A refusal is "
                         "the row's note (full text in the JSON's extra)."))
     ran = [r for r in out if r.extra["beats_xqa_beyond_spread"] is not None]
     print(f"flintgen beats XQA beyond the spread on {sum(r.extra['beats_xqa_beyond_spread'] for r in ran)} "

@@ -25,28 +25,51 @@ WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)
 FULL = dict(layer_types=("full",), sliding_window=None)
 SLIDE = dict(layer_types=("sliding",))
 
-G16 = shape_spec(16, 128, 64).replace(**FULL)     # 32 q / 2 kv per rank: two head tiles
-G16_D64 = shape_spec(16, 64, 32).replace(**FULL)
+def model_shape(q_heads, kv_heads, head_dim, window=None):
+    """A full-attention (or, with ``window``, all-sliding) spec of one
+    model's per-rank heads, 16-token pages, no sinks."""
+    kinds = dict(layer_types=("sliding",), sliding_window=window) if window else FULL
+    return FLINT.replace(name=f"{q_heads}-{kv_heads}-d{head_dim}", num_q_heads=q_heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, page_size=16, sinks=False, tp_size=1, **kinds)
 
-# row -> (spec, batch, seq_len, window, candidates); the first candidate is the default.
-# Several CTAs merge only from a number of active splits on (merge_from, a
-# runtime threshold: active splits grow with seq_len at a fixed launch shape).
-# Run 8 (results/decode_attention_sweep.md): with its partial loads issued
-# before the m / l staging, 4 mergers beat the last CTA alone at 64-66 active
-# splits (16/2 B=1 L=8k / 32k) and lose at 8 (L=1k) and 16 (64/8 B=1).
-# Lengths 1k..32k give 8, 16, 32, 48, 64, 66 active splits of 66.
-ALONE, SEVERAL, SWITCH = (C(66, 8, 2, 1, False, 1), C(66, 8, 2, 1, False, 1, merge_ctas=4),
-                          C(66, 8, 2, 1, False, 1, merge_ctas=4, merge_from=24))
+
+# Run 13: the head_dim-96 / -256 rules (derived by bytes) and long windows,
+# on the models benchmark's weak rows. d256: Gemma-3-1B 4/1 (1 pair at B=1, 8
+# at B=8), Gemma-2-9B 16/8 (8 pairs at B=1, 64 at B=8); d96: Phi-3-mini 32/32
+# (32 pairs at B=1) and its TP-4 rank 8/8 (8 pairs); d64: SmolLM2 32/32 at B=1.
+G3, G2, PHI3, PHI3_TP4, SMOL = (model_shape(4, 1, 256), model_shape(16, 8, 256), model_shape(32, 32, 96),
+                                model_shape(8, 8, 96), model_shape(32, 32, 64))
+
+
+def d256(splits, stages, cpsm=1, **kw):
+    return C(splits, 4, stages, 1, False, cpsm, 256, kw.pop("gqa", 4), **kw)
+
+
+def d96(splits, stages, min_pages, gqa=1, cpsm=2, **kw):
+    return C(splits, 4, stages, min_pages, False, cpsm, 96, gqa, **kw)
+
+
+M4 = dict(merge_ctas=4, merge_from=40)
+ONE_PAIR_256 = [d256(132, 2, **M4), d256(132, 2), d256(66, 2, **M4), d256(66, 3, **M4), d256(33, 3)]
+EIGHT_PAIRS_256 = [d256(16, 2, gqa=2), d256(16, 3, gqa=2), d256(8, 3, gqa=2), d256(33, 2, gqa=2, cpsm=0)]
 ROWS = {
-    **{f"16/2 B=1 L={L // 1024}k": (TP2.replace(**FULL), 1, L, None, [ALONE, SEVERAL, SWITCH])
-       for L in (1024, 2048, 4096, 6144, 8192, 32768)},
-    "16/2 B=2 L=32k": (TP2.replace(**FULL), 2, 32768, None, [
-        C(33, 8, 2, 1, False, 1), C(33, 8, 2, 1, False, 1, merge_ctas=4)]),
-    "64/8 B=1 L=32k": (WIDE.replace(**FULL), 1, 32768, None, [
-        C(16, 8, 2, 1, False, 1), C(16, 8, 2, 1, False, 1, merge_ctas=4)]),
-    **{f"g16 d128 B=1 L={L // 1024}k": (G16, 1, L, None, [
-        C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4), C(66, 8, 2, 1, False, 1, 128, 16, merge_ctas=4, merge_from=24),
-        C(66, 8, 2, 1, False, 1, 128, 16)]) for L in (1024, 4096, 32768)},
+    **{f"g3 4/1 d256 B=1 L={L // 1024}k": (G3, 1, L, None, ONE_PAIR_256) for L in (1024, 8192, 32768)},
+    "g3 4/1 d256 B=8 L=8k": (G3, 8, 8192, None, [d256(16, 2), d256(16, 3), d256(8, 3), d256(33, 2, cpsm=0)]),
+    **{f"g2 16/8 d256 B=1 L={L // 1024}k": (G2, 1, L, None, EIGHT_PAIRS_256) for L in (1024, 32768)},
+    "g2 16/8 d256 B=8 L=8k": (G2, 8, 8192, None, [d256(2, 3, gqa=2), d256(2, 2, gqa=2), d256(1, 3, gqa=2)]),
+    "g2 16/8 d256 B=1 L=32k w4096": (model_shape(16, 8, 256, 4096), 1, 32768, 4096, EIGHT_PAIRS_256),
+    "g3 4/1 d256 B=32 L=8k w1024": (model_shape(4, 1, 256, 1024), 32, 8192, 1024, [
+        d256(4, 3), d256(4, 2), d256(2, 3), d256(8, 2, cpsm=0)]),
+    **{f"phi3 32/32 d96 B=1 L={L // 1024}k": (PHI3, 1, L, None, [
+        d96(8, 4, 3), d96(8, 3, 2), d96(8, 4, 1), d96(4, 4, 3), d96(16, 3, 1, cpsm=0)]) for L in (1024, 32768)},
+    **{f"phi3-tp4 8/8 d96 B=1 L={L // 1024}k": (PHI3_TP4, 1, L, None, [
+        d96(33, 3, 1), d96(16, 3, 1), d96(33, 4, 1), d96(16, 4, 1, cpsm=1)]) for L in (1024, 32768)},
+    "smol 32/32 d64 B=1 L=1k": (SMOL, 1, 1024, None, [
+        C(8, 4, 6, 4, False, 2, 64, 1), C(8, 4, 6, 1, False, 2, 64, 1), C(8, 4, 4, 1, False, 2, 64, 1),
+        C(4, 4, 6, 1, False, 2, 64, 1)]),
+    # A window past the cluster band (33 slices) on the full-attention rule, Flint's 16/2 heads.
+    "16/2 d128 B=8 L=8k w512": (TP2.replace(**SLIDE, sliding_window=512), 8, 8192, 512, [
+        C(8, 8, 2, 2, False, 1), C(8, 8, 2, 1, False, 1), C(4, 8, 2, 1, False, 1), C(16, 4, 3, 1, False, 2)]),
 }
 
 
@@ -64,19 +87,23 @@ def _spec(row, i, base, batch):
     return base.replace(name=f"sweep-{row}-{i}", max_batch=batch)
 
 
-def build():
+def build(shard: int = 0, shards: int = 1):
+    """Compile every candidate (``shard`` of ``shards``: every shards-th one,
+    for parallel builds into one cache)."""
     from flintgen.kernels import KERNELS
     from flintgen.kernels.base import Target
     from flintgen.runtime import load_variant
 
     k, t = KERNELS["decode_attention"], Target("sm_90a", 132)
-    for row, (base, batch, _, _, cands) in ROWS.items():
-        for i, cfg in enumerate(cands):
-            spec = _spec(row, i, base, batch)
-            with forced(cfg):
-                for v in k.variants(spec, t):
-                    load_variant(k, spec, v, t)
-            print("built", row, cfg)
+    jobs = {(base, batch, cfg): (row, i) for row, (base, batch, _, _, cands) in reversed(ROWS.items())
+            for i, cfg in reversed(list(enumerate(cands)))}      # rows of one spec at several lengths: once
+    jobs = [(row, i, base, batch, cfg) for (base, batch, cfg), (row, i) in reversed(jobs.items())]
+    for row, i, base, batch, cfg in jobs[shard::shards]:
+        spec = _spec(row, i, base, batch)
+        with forced(cfg):
+            for v in k.variants(spec, t):
+                load_variant(k, spec, v, t)
+        print("built", row, cfg, flush=True)
 
 
 def time_all():
@@ -105,5 +132,9 @@ def time_all():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", action="store_true")
+    ap.add_argument("--shard", default="0/1", help="with --build: i/n, every n-th candidate from the i-th")
     a = ap.parse_args()
-    build() if a.build else time_all()
+    if a.build:
+        build(*map(int, a.shard.split("/")))
+    else:
+        time_all()

@@ -39,16 +39,13 @@ MAX_ROWS_PER_GROUP = 24       # one GPU run: about 24 rows and 8 minutes with XQ
 FLOOR_GOAL_PCT = 92.0         # at B = 128 x 8k, of the read floor, for every shape
 FLOOR_GOAL_BATCH = 128
 
-# TODO(softcap): drop this guard (and apply the field unconditionally) once
-# Spec.attn_logit_softcap and the op's softcap= argument are on main.
-SOFTCAP_API = "attn_logit_softcap" in {f.name for f in dataclasses.fields(Spec)}
 
 
 @dataclass(frozen=True)
 class Model:
     """One model's attention at TP 1, as its config.json has it. The
-    per-rank attributes let a benchmark cache be built from it when flintgen's
-    Spec does not take the shape yet (head_dim 96 today)."""
+    per-rank attributes let a benchmark cache be built from it for a row that
+    flintgen's Spec refuses (the peers still run it)."""
 
     name: str
     hidden_size: int
@@ -92,7 +89,7 @@ class Model:
         changes = dict(name=self.name.lower(), hidden_size=self.hidden_size, num_q_heads=self.q_heads,
                        num_kv_heads=self.kv_heads, head_dim=self.head_dim, page_size=PAGE, sinks=False,
                        sliding_window=window or self.window, layer_types=self.layer_types)
-        if self.softcap is not None and SOFTCAP_API:  # TODO(softcap): unconditional once on main
+        if self.softcap is not None:
             changes["attn_logit_softcap"] = True
         return FLINT.replace(**changes)
 
@@ -205,8 +202,7 @@ def flintgen_status(row: PlanRow, target) -> tuple[Spec | None, str | None]:
 def softcap_note(model: Model) -> str:
     if model.softcap is None:
         return "—"
-    who = "flintgen, FA4" if SOFTCAP_API else "FA4 (flintgen: API not on this commit)"
-    return f"{model.softcap:g}: {who}; not XQA"
+    return f"{model.softcap:g}: flintgen, FA4; not XQA"
 
 
 def listing(target) -> str:
@@ -228,7 +224,7 @@ def listing(target) -> str:
                 _, row_why = flintgen_status(r, target)
                 out.append(f"    {r.describe()}{'  (flintgen refuses this row)' if row_why and not why else ''}")
     total = sum(len(plan([BY_NAME[n.lower()] for n in ns])) for ns in GROUPS.values())
-    out.append(f"{total} rows in {len(GROUPS)} groups; softcap API on this commit: {SOFTCAP_API}")
+    out.append(f"{total} rows in {len(GROUPS)} groups")
     return "\n".join(out)
 
 

@@ -61,7 +61,7 @@ def test_specs_are_the_models():
             assert spec.page_size == 16 and spec.sinks is False and spec.tp_size == 1
             assert spec.sliding_window == (r.window or m.window)
             assert spec.has_sliding == (m.window is not None) and spec.has_full
-            if m.softcap and M.SOFTCAP_API:
+            if m.softcap:
                 assert spec.attn_logit_softcap is True
     assert M.BY_NAME["gemma-3-1b"].spec().sliding_window == 512
 
