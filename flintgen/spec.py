@@ -149,7 +149,7 @@ def _check_rope_scaling_params(name: str, scaling: str, params: tuple, rope_dim:
 # (to_dict / canonical_json / spec_hash) while at their default, so a spec that does not
 # use them keeps the hash it had before they existed.
 _OMITTED_AT_DEFAULT = {"rotary_dim": None, "sliding_rope_theta": None, "sliding_rope_scaling": "none",
-                       "sliding_rope_scaling_params": {}, "attn_logit_softcap": False}
+                       "sliding_rope_scaling_params": {}, "attn_logit_softcap": False, "norm_weight_offset": 0}
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,11 @@ class Spec:
     ``attn_logit_softcap``: decode attention soft-caps its logits,
     ``cap * tanh(s * scale / cap)`` before the softmax (Gemma 2); the cap is
     the op's ``softcap`` argument. Sinks are not capped.
+
+    ``norm_weight_offset``: 0, or 1 for checkpoints that store RMSNorm
+    weights as ``w`` and scale by ``(1 + w)`` (Gemma): the kernels add the
+    offset in fp32 to the input-layernorm and q / k norm weights, which are
+    passed as stored.
     """
 
     name: str = "custom"
@@ -191,6 +196,7 @@ class Spec:
     sliding_rope_scaling: str = "none"
     sliding_rope_scaling_params: tuple[tuple[str, Any], ...] = ()
     rms_eps: float = 1e-6
+    norm_weight_offset: int = 0
     softmax_scale: float | None = None
     max_tokens: int = 8
     tp_size: int = 1
@@ -240,6 +246,10 @@ class Spec:
         _check_choice("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_SCALINGS)
         _check_float("rope_theta", self.rope_theta)
         _check_float("rms_eps", self.rms_eps)
+        if type(self.norm_weight_offset) is not int or self.norm_weight_offset not in (0, 1):
+            raise _fail("norm_weight_offset", self.norm_weight_offset,
+                        "0 (weights scale as stored) or 1 (Gemma's (1 + w), added in fp32)",
+                        "Set norm_weight_offset = 1 for Gemma checkpoints, else leave it 0.")
         if self.softmax_scale is not None:
             _check_float("softmax_scale", self.softmax_scale)
         if self.hidden_size % 16:

@@ -510,3 +510,26 @@ def test_qkv_kernel_refuses_partial_and_interleaved_for_now():
         with pytest.raises(ValueError, match=r"kernel qkv supports rope_style 'neox' over the whole head"):
             k.variants(bad, t)
     assert k.variants(FLINT.replace(sliding_rope_theta=1e4), t) == k.variants(FLINT, t)
+
+
+@pytest.mark.parametrize("value, exc", [(1.0, ValueError), (2, ValueError), (-1, ValueError), (True, ValueError)])
+def test_norm_weight_offset_rejected(value, exc):
+    with pytest.raises(exc, match=r"'norm_weight_offset' = .* 0 \(weights scale as stored\) or 1 .*Gemma"):
+        FLINT.replace(norm_weight_offset=value)
+
+
+def test_norm_weight_offset_field():
+    assert "norm_weight_offset" not in FLINT.to_dict()            # omitted at its default: hashes unchanged
+    g = FLINT.replace(norm_weight_offset=1)
+    assert g.to_dict()["norm_weight_offset"] == 1 and g.spec_hash != FLINT.spec_hash
+
+
+def test_kernels_refuse_norm_weight_offset_for_now():
+    """Until the kernels add it: no silent scaling by w instead of (1 + w)."""
+    from flintgen.kernels import KERNELS
+    from flintgen.kernels.base import Target
+
+    g, t = FLINT.replace(norm_weight_offset=1), Target("sm_90a", 132)
+    for name in ("qkv", "rms_norm"):
+        with pytest.raises(ValueError, match=rf"kernel {name}: norm_weight_offset = 1 .*not in"):
+            KERNELS[name].variants(g, t)

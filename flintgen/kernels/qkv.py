@@ -85,6 +85,9 @@ class QKVDef(KernelDef):
             raise ValueError(f"kernel qkv supports rope_style 'neox' over the whole head (rotary_dim = head_dim "
                              f"= {spec.head_dim}), got rope_style {spec.rope_style!r}, rotary_dim {spec.rope_dim} "
                              f"(spec {spec.name!r}): partial / interleaved RoPE is not in the kernel yet")
+        if spec.norm_weight_offset:
+            raise ValueError(f"kernel qkv: norm_weight_offset = {spec.norm_weight_offset} (spec {spec.name!r}) is "
+                             "not in the q / k norm yet: the kernel would scale by w, not (1 + w)")
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
         self.check_limits(spec)

@@ -27,6 +27,12 @@ class RMSNormDef(KernelDef):
     # Any M: the token count is a run-time dimension (max_tokens bounds the spec, not this kernel).
     limits = {"hidden_size": (64, 32768), "max_tokens": (1, 256)}
 
+    def check_limits(self, spec: Spec) -> None:
+        super().check_limits(spec)
+        if spec.norm_weight_offset:
+            raise ValueError(f"kernel rms_norm: norm_weight_offset = {spec.norm_weight_offset} (spec {spec.name!r}) "
+                             "is not in the kernel yet: it would scale by w, not (1 + w)")
+
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
         self.check_limits(spec)
         return [Variant.of(self.name, hidden=spec.hidden_size, has_residual=r) for r in (False, True)]
