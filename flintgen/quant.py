@@ -97,7 +97,8 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- NVFP4
 def quantize_nvfp4(w: torch.Tensor, global_scale: float | None = None):
     """``w`` [N, K] (any float dtype, K % 16 == 0) -> ``(packed uint8 [N, K/2],
-    scales float8_e4m3fn [Np, Kp] swizzled, global_scale fp32 [])``.
+    scales float8_e4m3fn [Np, Kp] swizzled, global_scale fp32 [])``, all
+    three on ``w``'s device (what the QKV op takes as they are).
 
     ModelOpt's recipe: ``gs = amax(|w|) / (6 * 448)``; per 16-block
     ``s = e4m3(amax_block / 6 / gs)``; codes = nearest e2m1 of ``w / (s * gs)``.
@@ -108,7 +109,7 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: float | None = None):
     n, k = w.shape
     amax = w.abs().max().item()
     gs = global_scale if global_scale is not None else (amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0)
-    gs = torch.tensor(gs, dtype=torch.float32)
+    gs = torch.tensor(gs, dtype=torch.float32, device=w.device)
     blocks = w.reshape(n, k // BLOCK, BLOCK)
     bmax = blocks.abs().amax(-1)
     s = (bmax / E2M1_MAX / gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)

@@ -622,3 +622,23 @@ def test_head_dim_96_is_refused_until_supported():
     with pytest.raises(NotImplementedError, match=r"qkv: head_dim = 96 is not supported .*\[64, 128, 256\]\)\. "
                                                   r"Decode attention supports it: .*--kernel decode_attention"):
         QKVDef().variants(spec, Target("sm_90a", 132))
+
+
+def test_quantizer_outputs_on_the_weights_device():
+    packed, sw, gs = quant.quantize_nvfp4(torch.randn(64, 128) * 0.02)
+    assert packed.device == sw.device == gs.device == torch.device("cpu")
+
+
+@pytest.mark.gpu
+def test_quantizer_output_feeds_the_op_on_cuda(ops):
+    """quantize_nvfp4 of a CUDA weight returns all three tensors on that device,
+    and the op takes them as returned (the global scale too: one fp32 value)."""
+    spec = SPECS["flint"]
+    c = Case(spec, 2, seed=7)
+    w = (torch.randn(spec.qkv_out_features, spec.hidden_size, generator=torch.Generator().manual_seed(7)) * 0.02)
+    packed, sw, gs = quant.quantize_nvfp4(w.cuda())
+    assert packed.is_cuda and sw.is_cuda and gs.is_cuda
+    c.weight, c.weight_scale, c.global_scale = packed, sw, gs
+    c.w_ref = quant.dequantize_nvfp4(packed, sw, gs, dtype=torch.float64)
+    q, res = c.run(_get(ops, "flint"))
+    c.check(q, res, "flint quantized on the GPU")
