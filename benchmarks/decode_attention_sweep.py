@@ -106,13 +106,15 @@ def build(shard: int = 0, shards: int = 1):
         print("built", row, cfg, flush=True)
 
 
-def time_all():
+def time_all(only: str = ""):
     from benchmarks.decode_attention import Case
     from benchmarks.harness import time_graph
 
     print("| row | config (splits, warps, stages, min_pages, cluster, ctas/SM) | µs | vs default |")
     print("|---|---|---|---|")
     for row, (base, batch, L, window, cands) in ROWS.items():
+        if only not in row:
+            continue
         case = None
         base_us = None
         for i, cfg in enumerate(cands):
@@ -132,9 +134,10 @@ def time_all():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", action="store_true")
+    ap.add_argument("--only", default="", help="time the rows whose name contains this")
     ap.add_argument("--shard", default="0/1", help="with --build: i/n, every n-th candidate from the i-th")
     a = ap.parse_args()
     if a.build:
         build(*map(int, a.shard.split("/")))
     else:
-        time_all()
+        time_all(a.only)

@@ -97,28 +97,38 @@ def get_kernel(spec: Spec | str, name: str | None = None, *, device: int | None 
         if not kdef.needed(spec):
             raise ValueError(f"spec {spec.name!r} does not use kernel {name!r}")
     target = toolchain.resolve_target(device_index=device)
-    key = (spec, target, name)
     with _lock:
-        if key in _ops:
-            return _ops[key]
         if name is not None:
-            op = get_def(name).bind(spec, target, _make_loader(get_def(name), spec, target))
-        else:
-            op = KernelSet(spec, {
-                n: k.bind(spec, target, _make_loader(k, spec, target))
-                for n, k in KERNELS.items() if k.needed(spec)
-            })
-        _ops[key] = op
-        return op
+            return _bound(spec, target, name)
+        key = (spec, target, None)
+        if key not in _ops:
+            _ops[key] = KernelSet(spec, {n: _bound(spec, target, n) for n, k in KERNELS.items() if k.needed(spec)})
+        return _ops[key]
+
+
+def _bound(spec: Spec, target, name: str):
+    """The one op of (spec, target, name): ``get_kernel(spec, name)`` and
+    ``get_kernel(spec)[name]`` are the same object (one workspace, one
+    warmup). Called with ``_lock`` held."""
+    key = (spec, target, name)
+    if key not in _ops:
+        kdef = get_def(name)
+        _ops[key] = kdef.bind(spec, target, _make_loader(kdef, spec, target))
+    return _ops[key]
 
 
 def warmup(spec: Spec | str, names: Iterable[str] | None = None, *, device: int | None = None) -> None:
-    """Load every variant of the spec's kernels, allocate workspaces and run
-    each binary once, so that nothing loads during a CUDA-graph capture."""
+    """Load every variant of the spec's kernels (of ``names`` only, when
+    given: the ops ``get_kernel(spec, name)`` returns), allocate workspaces and
+    run each binary once, so that nothing loads during a CUDA-graph capture."""
     import torch
 
-    kernels = get_kernel(spec, device=device)
     dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-    for n in names or kernels.names():
-        kernels[n].warmup(dev)
+    if names is None:
+        kernels = get_kernel(spec, device=device)
+        ops = [kernels[n] for n in kernels.names()]
+    else:
+        ops = [get_kernel(spec, n, device=device) for n in names]
+    for op in ops:
+        op.warmup(dev)
     torch.cuda.synchronize(dev)

@@ -67,3 +67,17 @@ def test_preset_qkv_then_attention(name):
         ref = decode_attention_ref(*a)
         ek, et = rel_error(out, ref), rel_error(decode_attention_seed_rounding(*a), ref)
         assert ek <= 2 * et + 1e-6 and ek < 1e-2, (name, window, ek, et)
+
+
+def test_named_and_set_ops_are_one_object(monkeypatch):
+    """get_kernel(spec, name) and get_kernel(spec)[name] share the op (one
+    workspace, one warmup), and a kernel the rest of the set refuses does not
+    stop its sibling: a head_dim-96 spec binds decode attention alone."""
+    monkeypatch.setenv("FLINTGEN_ARCH", "sm_90a")
+    monkeypatch.setenv("FLINTGEN_NUM_SMS", "132")
+    import flintgen
+
+    spec = flintgen.get_preset("flint").replace(name="one-op")
+    assert flintgen.get_kernel(spec, "decode_attention") is flintgen.get_kernel(spec)["decode_attention"]
+    phi3 = spec.replace(name="phi3-like", num_q_heads=32, num_kv_heads=32, head_dim=96, hidden_size=3072)
+    assert flintgen.get_kernel(phi3, "decode_attention").head_dim == 96
