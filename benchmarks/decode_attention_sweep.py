@@ -52,7 +52,7 @@ def d96(splits, stages, min_pages, gqa=1, cpsm=2, **kw):
 M4 = dict(merge_ctas=4, merge_from=40)
 ONE_PAIR_256 = [d256(132, 2, **M4), d256(132, 2), d256(66, 2, **M4), d256(66, 3, **M4), d256(33, 3)]
 EIGHT_PAIRS_256 = [d256(16, 2, gqa=2), d256(16, 3, gqa=2), d256(8, 3, gqa=2), d256(33, 2, gqa=2, cpsm=0)]
-ROWS = {
+ROWS_13 = {
     **{f"g3 4/1 d256 B=1 L={L // 1024}k": (G3, 1, L, None, ONE_PAIR_256) for L in (1024, 8192, 32768)},
     "g3 4/1 d256 B=8 L=8k": (G3, 8, 8192, None, [d256(16, 2), d256(16, 3), d256(8, 3), d256(33, 2, cpsm=0)]),
     **{f"g2 16/8 d256 B=1 L={L // 1024}k": (G2, 1, L, None, EIGHT_PAIRS_256) for L in (1024, 32768)},
@@ -70,6 +70,27 @@ ROWS = {
     # A window past the cluster band (33 slices) on the full-attention rule, Flint's 16/2 heads.
     "16/2 d128 B=8 L=8k w512": (TP2.replace(**SLIDE, sliding_window=512), 8, 8192, 512, [
         C(8, 8, 2, 2, False, 1), C(8, 8, 2, 1, False, 1), C(4, 8, 2, 1, False, 1), C(16, 4, 3, 1, False, 2)]),
+}
+
+
+# Run 14: min_pages 1 (as at <= 8 pairs) in the bands above, where run 13
+# found it faster at short contexts (d96 32 pairs, d64 32 pairs, a d128
+# window of 512 at 16 pairs); the same rows at 8k check nothing is lost.
+QWEN3, PHI3_TP2, OSS = model_shape(16, 8, 128), model_shape(16, 16, 96), model_shape(64, 8, 64)
+ROWS = {
+    **{f"16/2 d128 B=8 L={L // 1024}k": (TP2.replace(**FULL), 8, L, None, [
+        C(8, 8, 2, 2, False, 1), C(8, 8, 2, 1, False, 1)]) for L in (1024, 8192)},
+    **{f"qwen3 16/8 d128 B=8 L={L // 1024}k": (QWEN3, 8, L, None, [
+        C(4, 4, 3, 2, False, 2, 128, 2), C(4, 4, 3, 1, False, 2, 128, 2)]) for L in (1024, 8192)},
+    **{f"phi3-tp2 16/16 d96 B=1 L={L // 1024}k": (PHI3_TP2, 1, L, None, [
+        C(16, 4, 3, 3, False, 2, 96, 1), C(16, 4, 3, 1, False, 2, 96, 1), C(8, 4, 4, 1, False, 1, 96, 1)])
+       for L in (1024, 32768)},
+    **{f"phi3 32/32 d96 B=1 L={L // 1024}k": (PHI3, 1, L, None, [
+        C(8, 4, 4, 1, False, 2, 96, 1), C(8, 4, 4, 2, False, 2, 96, 1)]) for L in (1024, 8192)},
+    **{f"smol 32/32 d64 B=1 L={L // 1024}k": (SMOL, 1, L, None, [
+        C(8, 4, 6, 4, False, 2, 64, 1), C(8, 4, 6, 1, False, 2, 64, 1)]) for L in (8192, 32768)},
+    **{f"oss 64/8 d64 B=4 L={L // 1024}k": (OSS, 4, L, None, [
+        C(8, 4, 6, 4, False, 2, 64, 8), C(8, 4, 6, 1, False, 2, 64, 8)]) for L in (1024, 8192)},
 }
 
 
