@@ -77,7 +77,7 @@ ROWS_13 = {
 # found it faster at short contexts (d96 32 pairs, d64 32 pairs, a d128
 # window of 512 at 16 pairs); the same rows at 8k check nothing is lost.
 QWEN3, PHI3_TP2, OSS = model_shape(16, 8, 128), model_shape(16, 16, 96), model_shape(64, 8, 64)
-ROWS = {
+ROWS_14 = {
     **{f"16/2 d128 B=8 L={L // 1024}k": (TP2.replace(**FULL), 8, L, None, [
         C(8, 8, 2, 2, False, 1), C(8, 8, 2, 1, False, 1)]) for L in (1024, 8192)},
     **{f"qwen3 16/8 d128 B=8 L={L // 1024}k": (QWEN3, 8, L, None, [
@@ -92,6 +92,10 @@ ROWS = {
     **{f"oss 64/8 d64 B=4 L={L // 1024}k": (OSS, 4, L, None, [
         C(8, 4, 6, 4, False, 2, 64, 8), C(8, 4, 6, 1, False, 2, 64, 8)]) for L in (1024, 8192)},
 }
+
+# Run 15: head_dim 64 at 9..16 pairs (gpt-oss 64/8 at B=2), min_pages 4 vs 1.
+ROWS = {f"oss 64/8 d64 B=2 L={L // 1024}k": (OSS, 2, L, None, [
+    C(16, 4, 4, 4, False, 2, 64, 8), C(16, 4, 4, 1, False, 2, 64, 8)]) for L in (1024, 8192)}
 
 
 @contextlib.contextmanager

@@ -128,13 +128,14 @@ def _cfg64(batch, kv, sliding, gqa=8):
 
 
 def test_head_dim_64_rule():
-    """head_dim 64 (4 KB slices): 4-warp CTAs, twice the stages and min_pages
-    of the large-batch rule, clusters of 4 where 8 ranks cannot split 64 dims."""
+    """head_dim 64 (4 KB slices): 4-warp CTAs, twice the stages of the
+    head_dim-128 rule, min_pages 1 (measured), clusters of 4 where 8 ranks
+    cannot split 64 dims."""
     # gpt-oss TP 1 (8 kv heads): batch 1 = 8 pairs
     assert _cfg64(1, 8, False) == (33, 4, 4, 1, False, 2)
-    assert _cfg64(2, 8, False) == (16, 4, 4, 4, False, 2)      # 16 pairs: 4 stages
-    assert _cfg64(8, 8, False) == (4, 4, 6, 4, False, 2)       # 64 pairs: 6 stages
-    assert _cfg64(64, 8, False) == (1, 4, 6, 4, False, 2)
+    assert _cfg64(2, 8, False) == (16, 4, 4, 1, False, 2)      # 16 pairs: 4 stages
+    assert _cfg64(8, 8, False) == (4, 4, 6, 1, False, 2)       # 64 pairs: 6 stages
+    assert _cfg64(64, 8, False) == (1, 4, 6, 1, False, 2)
     assert _cfg64(1, 1, False) == (66, 4, 6, 1, False, 2)      # gpt-oss TP 8, batch 1 (measured exception)
     assert _cfg64(2, 1, False) == (132, 4, 4, 1, False, 2)
     assert _cfg64(1, 8, True) == (4, 4, 2, 1, True, 0)         # 8 ranks -> 4: 8 dims x 8 heads < 128 threads

@@ -8,9 +8,10 @@ flintgen's own H200 measurements changed it where marked below (small batches,
 GQA 16, one head_dim-64 pair); the head_dim-64 rule is derived from the
 head_dim-128 one by the bytes each unit of work moves. Tables of the choices
 against the bandwidth floor and the peers: benchmarks/results/decode_attention
-{,_gpt_oss,_shapes}.md; alternatives timed against each other:
-benchmarks/results/decode_attention_sweep.md. Long windows take the
-full-attention rule (unmeasured).
+{,_gpt_oss,_shapes,_models}.md; alternatives timed against each other:
+benchmarks/results/decode_attention_sweep.md. Windows past the cluster band
+take the full-attention rule (measured there at 512, 1024 and 4096: sweep
+runs 13-14).
 
 Terms (numbers and shapes: flintgen/layout.py): a *slice* is
 SLICE_TOKENS = 16 tokens of one kv head's page, [16, 2 * head_dim] bf16 (8 KB
@@ -284,7 +285,7 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
         return _full_attention_d96(num_bh, num_sms, gqa)
     if head_dim == 256:
         return _full_attention_d256(num_bh, num_sms, gqa)
-    # Full attention (and, unmeasured, windows longer than 32 slices): split the
+    # Full attention (and windows longer than 32 slices): split the
     # slices of each pair across the SMs. Seed, at 4 kv heads: batch <= 2 (<= 8
     # pairs) -> one 8-warp CTA per SM (132 // pairs splits, 2 stages);
     # otherwise two 4-warp CTAs per SM (2 * 132 // pairs splits), 2 stages
@@ -351,8 +352,13 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
         if splits > MERGE_FROM_ACTIVE:
             merge = dict(merge_ctas=4, merge_from=MERGE_FROM_ACTIVE)
     elif num_bh <= 16 or (two_tiles and num_sms // num_bh >= 2):
+        # min_pages 1 at 9..16 pairs (sweep run 14, 2026-12-01, 16/2 heads, B=8,
+        # 8 splits): L=1k 5.47 us vs 6.26 with 2, L=8k 20.30 vs 20.25; a window
+        # of 512 on this rule (run 13): 4.84 vs 5.98. Above 16 pairs 1 and 2
+        # measured equal (16/8 B=8, 4 splits: 9.81 / 9.82 at 1k, 65.51 / 65.76
+        # at 8k): min_pages 2 kept.
         splits = max(1, num_sms // num_bh)
-        warps, stages, min_pages = 8, 2, 2
+        warps, stages, min_pages = 8, 2, 1 if num_bh <= 16 else 2
     else:
         splits = max(1, 2 * num_sms // num_bh)
         warps, stages, min_pages = 4, 3, 2
@@ -371,9 +377,12 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
     * Bytes in flight: stages double (2 -> 4, 3 -> 6) so that a warp's ring
       holds the same bytes (16 / 24 KB) as with 8 KB slices; per SM that is
       the measured 128 KB (small batch) and 192 KB (large batch).
-    * min_pages: the single-slice penalty is fixed prologue + merge cost
-      against streaming bytes, so 2 slices of 8 KB become 4 of 4 KB; the
-      small-batch min_pages 1 (measured: more active splits win at 1k) stays.
+    * min_pages 1 in every band, measured (sweep runs 13-15, 2026-12-01;
+      derived first as 4, the bytes of head_dim 128's 2 slices): gpt-oss
+      64/8 B=2 (16 pairs, 16 splits) L = 1k / 8k 4.33 / 10.42 us vs 6.31 /
+      10.42 with 4; B=4 (32 pairs, 8 splits) 5.27 / 20.45 vs 6.47 / 20.09;
+      SmolLM2 32/32 B=1 L = 1k / 8k / 32k 4.96 / 20.38 / 66.98 vs 6.18 /
+      20.12 / 67.08 (1.2 us won at 1k against 0.3 lost at 8k).
 
     Measured exceptions: a single pair (gpt-oss at TP 8, batch 1) takes
     num_sms // 2 splits of 6 stages, not 2 * num_sms. One CTA merges all of a
@@ -400,7 +409,7 @@ def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionC
         # DSL 4.8.1 / ptxas, sm_90a; 3 splits compile clean at 80-90:
         # tests/test_decode_attention_grid.py). 264 CTAs still fit one wave.
         splits = 3
-    return DecodeAttentionConfig(splits, 4, 4 if num_bh <= 16 else 6, 4, False, 2, 64, gqa)
+    return DecodeAttentionConfig(splits, 4, 4 if num_bh <= 16 else 6, 1, False, 2, 64, gqa)
 
 
 def _merge_by_four(num_splits: int, head_dim: int, gqa: int, num_warps: int) -> dict:
@@ -415,30 +424,54 @@ def _merge_by_four(num_splits: int, head_dim: int, gqa: int, num_warps: int) -> 
 
 
 def _full_attention_d96(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
-    """head_dim 96 (6 KB slices): the head_dim-128 rule re-derived by bytes,
-    like head_dim 64's. 8 heads x 96 dims over 8 warps would leave 3 epilogue
-    dims per thread, so every band takes two 4-warp CTAs per SM (the 8 warps
-    per SM of the head_dim-128 rule); stages keep a warp's ring at the bytes
-    of the head_dim-128 choice (2 x 8 KB -> 3 x 6 KB, 3 x 8 KB -> 4 x 6 KB),
-    and min_pages its slice bytes (2 x 8 KB -> 3 x 6 KB). Unmeasured: derived."""
+    """head_dim 96 (6 KB slices). 8 heads x 96 dims over 8 warps would leave
+    3 epilogue dims per thread, so every band takes 4-warp CTAs; no several-CTA
+    merge (96 dims split into no whole 1, 2 or 4 per thread of 4 merging CTAs).
+    Measured (benchmarks/results/decode_attention_sweep.md runs 13-14,
+    2026-12-01, Phi-3-mini's 32 heads per kv head group of 1 at TP 1 / 2 / 4):
+
+    * <= 8 pairs, one tile: num_sms // pairs splits of 4 stages, one CTA per
+      SM. 8/8 heads B=1 L = 1k / 32k: 16 x 4 stages 3.82 / 27.25 us against
+      the derived 33 x 3 stages, two per SM, 4.43 / 28.60 (16 x 3, two per SM:
+      3.72 / 35.07). One pair (132 splits, one merging CTA) is unmeasured.
+    * 9..16 pairs: two CTAs per SM (2 * num_sms // pairs splits), 3 stages,
+      min_pages 1: 16/16 B=1 L = 1k / 32k 4.38 / 50.48 us against 6.73 /
+      50.19 with the derived min_pages 3.
+    * above 16 pairs: 4 stages, min_pages 1: 32/32 B=1 L = 1k / 8k / 32k
+      5.95 / 27.93 / 96.75 us against 7.54 / - / 97.41 with min_pages 3 (2:
+      5.94 / 27.97 / 95.96).
+    * two tiles (GQA 9-16) at <= 8 pairs: half the splits (head_dim 64's
+      measured trade for partials of 16 heads); no model has that shape at
+      head_dim 96: unmeasured.
+    """
     splits = max(1, 2 * num_sms // num_bh)
     if num_bh <= 8 and AttentionLayout(head_dim=96, gqa=gqa).num_tiles > 1:
-        # Two tiles: twice the partial bytes per split and no several-CTA
-        # merge at 96 dims, so half the splits (head_dim 64's measured trade).
         return DecodeAttentionConfig(max(1, num_sms // (2 * num_bh)), 4, 4, 1, False, 2, 96, gqa)
     if num_bh <= 8:
-        return DecodeAttentionConfig(splits, 4, 3, 1, False, 2, 96, gqa, **_merge_by_four(splits, 96, gqa, 4))
+        return DecodeAttentionConfig(max(1, num_sms // num_bh), 4, 4, 1, False, 1, 96, gqa)
     if num_bh <= 16:
-        return DecodeAttentionConfig(splits, 4, 3, 3, False, 2, 96, gqa)
-    return DecodeAttentionConfig(splits, 4, 4, 3, False, 2, 96, gqa)
+        return DecodeAttentionConfig(splits, 4, 3, 1, False, 2, 96, gqa)
+    return DecodeAttentionConfig(splits, 4, 4, 1, False, 2, 96, gqa)
 
 
 def _full_attention_d256(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
     """head_dim 256 (16 KB slices, K and V held in turn): one 4-warp CTA per
-    SM; its ring of 2 / 3 stages is the 128 / 192 KB per SM that the
-    head_dim-128 rule keeps in flight at small / large batches (8 warps x 2 x
-    8 KB, 2 CTAs x 4 warps x 3 x 8 KB). A single 16 KB slice already streams
-    the bytes of two 8 KB ones, so min_pages is 1. Unmeasured: derived."""
+    SM (num_sms // pairs splits), min_pages 1 (a 16 KB slice streams the
+    bytes of two 8 KB ones); 2 stages up to 16 pairs, then 3. Derived by
+    bytes from the head_dim-128 rule and measured (sweep run 13, 2026-12-01):
+
+    * 1 pair (Gemma-3-1B 4/1, B=1): 132 splits with 4 CTAs merging from 40
+      active, L = 1k / 8k / 32k 6.64 / 9.43 / 13.66 us; 66 splits 6.43 / 9.06 /
+      17.38, 33 6.46 / 12.47 / 29.17, 132 with the last CTA alone 6.98 / 17.37
+      / 21.99.
+    * 8 pairs (Gemma-2-9B 16/8 B=1; Gemma-3 B=8): 16 splits of 2 stages, L =
+      1k / 32k 6.59 / 65.62 us (3 stages 6.56 / 66.55, 8 splits 6.75 / 94.50,
+      33 two per SM 6.40 / 80.43); window 4096 at 32k 10.66 (next best 11.30);
+      Gemma-3 B=8 L=8k 21.82 (3 stages 22.10, 8 splits 27.69).
+    * 64 pairs (Gemma-2 B=8 L=8k): 2 splits, 3 stages 124.54 us, 2 stages
+      124.75, 1 split 180.48. Gemma-3 window 1024 at 32 pairs: 4 splits, 3
+      stages 10.56 us (2 stages 10.13, 2 splits 14.89).
+    """
     splits = max(1, num_sms // num_bh)
     if num_bh <= 16:
         return DecodeAttentionConfig(splits, 4, 2, 1, False, 1, 256, gqa, **_merge_by_four(splits, 256, gqa, 4))
