@@ -22,6 +22,7 @@ GPU numerics per hidden size: tests/test_qkv.py (GPU_CASES).
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -89,7 +90,8 @@ def grid_specs():
     edges = [
         (13760, 128, "nvfp4", "neox", False, True, 8, 1),   # the largest whole-row staging at d = 128
         (13824, 128, "bf16", "neox", False, True, 4, 2),    # the first chunked one: 2 x 108 steps
-        (14016, 64, "nvfp4", "none", True, False, 6, 2),    # chunked, 219 steps: a short last chunk, K tail
+        (14144, 64, "nvfp4", "none", True, False, 6, 2),    # the first chunked at d = 64: 221 steps, a short
+                                                            # last chunk and a K tail
         (16320, 256, "bf16", "neox", True, True, 2, 1),     # chunked, 255 steps
     ]
     models = {
@@ -151,6 +153,9 @@ def test_shared_memory_layout_matches_the_compiled_offsets():
     sm = qc.QKVSmem.plan(2048, 128, 32, 8)
     assert sm.offsets == {"red": 0, "head_rows": 9216, "xs": 11264, "mbar": 44160}
     assert sm.total_bytes == 44176 and sm.chunks == 1 and sm.xs_stride == 4112
+    # the grid's edges (grid_specs): where the chunked staging starts
+    assert [qc.QKVSmem.plan(h, d, r, 8).chunks for h, d, r in
+            ((13760, 128, 32), (13824, 128, 32), (14080, 64, 16), (14144, 64, 16), (16320, 256, 32))] == [1, 2, 1, 2, 2]
     big = qc.QKVSmem.plan(16384, 128, 32, 8)
     assert (big.chunks, big.chunk_steps, big.offsets["mbar"]) == (2, 128, 142464)
     with pytest.raises(ValueError, match=r"chunk_steps = 100 must be the whole row \(256 steps\) or a multiple "
@@ -258,8 +263,12 @@ def test_qkv_grid_compiles_clean(built_grid, key):
     # one multicast per xn chunk; a cluster barrier before each chunk after the first
     assert ptx.count("cp.async.bulk.shared::cluster.global") == p["xn_chunks"], p["xn_chunks"]
     assert ptx.count("barrier.cluster.arrive") == p["xn_chunks"]
-    assert p["xn_chunks"] == (1 if qc.QKVSmem.plan(spec.hidden_size, spec.head_dim, p["rows"], p["warps"]).chunks
-                              == 1 else 2)
+    assert ptx.count("mbarrier.try_wait.parity") == p["xn_chunks"] + 1      # + rank 0's rows
+    sm = qc.QKVSmem.plan(spec.hidden_size, spec.head_dim, p["rows"], p["warps"])
+    assert (sm.chunks, sm.xs_stride) == (p["xn_chunks"], p["xs_stride"])
+    # The kernel addresses its buffers at QKVSmem's offsets (the DSL allocates in its order).
+    for name, off in sm.offsets.items():
+        assert off == 0 or re.search(rf"[+ ]{off}[;\]]", ptx), f"{name} not at offset {off}"
     fp4 = ("cvt.rn.f16x2.e4m3x2", "mul.rn.bf16x2")
     assert all(f in ptx for f in fp4) == (spec.weight_format == "nvfp4")
     # Weights before the grid-dependency wait; no global store and no xn copy before it.
