@@ -43,6 +43,16 @@ SPECS = {
     "oss_bf16": FLINT.replace(hidden_size=2880, num_q_heads=64, num_kv_heads=8, head_dim=64, qkv_bias=True,
                               qk_norm=False, weight_format="bf16"),
     "d256": FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rope_style="none"),
+    # Hidden sizes of other models (tests/test_qkv_grid.py compiles the grid): Qwen2.5-0.5B
+    # (896: 14 steps, a K tail), Qwen3-0.6B (16 x 128 q heads = 2048 != hidden 1024), Qwen2.5-7B,
+    # and hidden 16384 (Llama-3.1-405B at TP 8; xn staged in two K-chunks: QKVSmem).
+    "qwen_896": FLINT.replace(hidden_size=896, num_q_heads=14, num_kv_heads=2, head_dim=64, qkv_bias=True,
+                              qk_norm=False, weight_format="bf16"),
+    "qwen3_1024": FLINT.replace(hidden_size=1024, num_q_heads=16, num_kv_heads=8, weight_format="bf16"),
+    "qwen_3584": FLINT.replace(hidden_size=3584, num_q_heads=28, num_kv_heads=4, qkv_bias=True, qk_norm=False),
+    "h16384": FLINT.replace(hidden_size=16384, num_q_heads=16, num_kv_heads=1),
+    "h16384_bf16": FLINT.replace(hidden_size=16384, num_q_heads=4, num_kv_heads=1, head_dim=256,
+                                 weight_format="bf16", qkv_bias=True),
 }
 
 
@@ -444,7 +454,9 @@ def _get(ops, name):
 # ============================================================== GPU numerics
 GPU_CASES = [("flint", m) for m in range(1, 9)] + [
     ("flint_bf16", 3), ("flint_norope", 5), ("flint_nonorm", 2), ("bf16_4096", 1), ("bf16_4096", 8),
-    ("oss_nvfp4", 1), ("oss_nvfp4", 7), ("oss_bf16", 4), ("d256", 6)]
+    ("oss_nvfp4", 1), ("oss_nvfp4", 7), ("oss_bf16", 4), ("d256", 6),
+    ("qwen_896", 1), ("qwen_896", 8), ("qwen3_1024", 5), ("qwen_3584", 3), ("qwen_3584", 8),
+    ("h16384", 1), ("h16384", 8), ("h16384_bf16", 6)]
 
 
 @pytest.mark.gpu

@@ -50,6 +50,60 @@ def test_weight_prefetch_precedes_the_grid_dependency_wait(tmp_cache, sm90, resi
     assert "ld.global.nc" not in ptx
 
 
+def test_config_covers_every_hidden_size():
+    """Every hidden size the kernel admits (multiples of 16 in its limits, the
+    fused QKV step's 512..16384 among them): warp-multiple CTAs of <= 1024
+    threads whose vectors cover the row, with fewer than a warp's worth of
+    threads idle per vector round."""
+    from flintgen.configs.rms_norm_config import RMSNormConfig
+    from flintgen.kernels.rms_norm import RMSNormDef
+
+    lo, hi = RMSNormDef.limits["hidden_size"]
+    for h in range(lo, hi + 1, 16):
+        c = RMSNormConfig.for_hidden(h)
+        vecs = h // 8
+        assert c.threads % 32 == 0 and 32 <= c.threads <= 1024, (h, c)
+        assert c.threads * c.vec_per_thread >= vecs > c.threads * (c.vec_per_thread - 1), (h, c)
+        if vecs <= 1024:
+            assert c.threads - vecs < 32, (h, c)
+
+
+def test_norm_weight_offset_is_a_variant_parameter():
+    from flintgen.kernels.base import Target
+    from flintgen.kernels.rms_norm import RMSNormDef
+
+    d, t = RMSNormDef(), Target("sm_90a", 132)
+    plain = d.variants(FLINT, t)
+    assert [v.name for v in plain] == ["rms_norm-has_residual0-hidden2048", "rms_norm-has_residual1-hidden2048"]
+    gemma = d.variants(FLINT.replace(norm_weight_offset=1), t)
+    assert [v.name for v in gemma] == [v.name + "-norm_weight_offset1" for v in plain]
+    assert [d.render_params(FLINT, v)["norm_weight_offset"] for v in plain + gemma] == [0, 0, 1, 1]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("hidden", [896, 16384])
+def test_norm_weight_offset_compiles(tmp_cache, sm90, hidden):
+    """(f32(w) + 1) in fp32: an fp32 add of 1.0 to the weight feeds the
+    product; no spills; the offset-0 binary has no such add."""
+    from flintgen import cache
+    from flintgen.kernels.rms_norm import RMSNormDef
+
+    d = RMSNormDef()
+    ptx = {}
+    for off in (0, 1):
+        spec = FLINT.replace(hidden_size=hidden, norm_weight_offset=off)
+        v = d.variants(spec, sm90)[1]
+        entry = cache.make_entry(v, d.template, dict(d.render_params(spec, v)), sm90, str(tmp_cache))
+        cache.get_or_build(entry)
+        res = cache.read_meta(entry)["resources"]
+        assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0 and not res["local_memory"], res
+        with open(entry.path("kernel.ptx")) as f:
+            ptx[off] = f.read()
+        assert not [p for p in d.required_ptx if p not in ptx[off]]
+    assert "add.f32" in ptx[1] and "0f3F800000" in ptx[1]     # + 1.0 in fp32
+    assert "0f3F800000" not in ptx[0]
+
+
 def test_rejects_cpu_tensor():
     x = torch.zeros(2, H, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="x must be on a CUDA device, got cpu"):
@@ -126,6 +180,52 @@ def test_numerics(norm, m, with_residual):
     _check(out, ref)
     if with_residual:
         assert torch.equal(res_out, r), "residual must be bit-exact against torch's bf16 add"
+
+
+OFFSET_CASES = [(896, 1, False), (896, 8, True), (2048, 3, True), (3584, 5, False), (16384, 8, True),
+                (16384, 2, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden, m, with_residual", OFFSET_CASES,
+                         ids=[f"h{h}-M{m}-{'res' if r else 'nores'}" for h, m, r in OFFSET_CASES])
+def test_norm_weight_offset_numerics(hidden, m, with_residual):
+    """spec.norm_weight_offset = 1 (Gemma): xn = bf16(r rstd (f32(w) + 1)),
+    within 1 bf16 ulp of the fp64 reference, on Gemma-like weights stored
+    around 0; poisoned outputs. Columns with w = -1 scale by exactly 0; on
+    columns with w = 3 * 2^-10 (1 + w needs 10 bits: bf16(1 + w) = 1) the
+    output is the correctly rounded fp64 value, which a kernel scaling by
+    bf16(1 + w) misses on a good part of them (checked on the reference), and
+    scaling by w alone fails the 1-ulp bound."""
+    spec = FLINT.replace(hidden_size=hidden, norm_weight_offset=1)
+    norm = flintgen.get_kernel(spec, "rms_norm")
+    gen = torch.Generator().manual_seed(hidden + 10 * m + with_residual)
+    x = (torch.randn(m, hidden, generator=gen) * 3).bfloat16().cuda()
+    w = (torch.randn(hidden, generator=gen) * 0.3).bfloat16()
+    fine = slice(5, None, 7)
+    w[fine] = 3 * 2.0 ** -10
+    w[::97] = -1.0
+    w = w.cuda()
+    res = (torch.randn(m, hidden, generator=gen) * 3).bfloat16().cuda() if with_residual else None
+    out = torch.full_like(x, float("nan"))
+    eps = 1e-6
+    if with_residual:
+        res_out = torch.full_like(x, float("nan"))
+        norm(x, w, eps, res, out=out, residual_out=res_out)
+    else:
+        norm(x, w, eps, out=out)
+    torch.cuda.synchronize()
+    ref, r = rms_norm_ref(x, w, eps, res, offset=1, dtype=torch.float64)
+    _check(out, ref)
+    if with_residual:
+        assert torch.equal(res_out, r), "residual must be bit-exact against torch's bf16 add"
+    assert (out[:, ::97] == 0).all()               # w = -1: (1 + w) = 0
+    exact = (out[:, fine] == ref[:, fine].bfloat16()).double().mean().item()
+    assert exact > 0.97, f"only {exact:.3f} of the w = 3 * 2^-10 outputs correctly rounded"
+    rounded, _ = rms_norm_ref(x, (w.float() + 1).bfloat16(), eps, res, dtype=torch.float64)
+    assert (rounded[:, fine].bfloat16() == ref[:, fine].bfloat16()).double().mean().item() < 0.9
+    wrong, _ = rms_norm_ref(x, w, eps, res, dtype=torch.float64)
+    assert ((out.double() - wrong).abs() > bf16_ulp(wrong)).any(), "the offset made no difference"
 
 
 @pytest.mark.gpu

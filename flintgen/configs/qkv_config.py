@@ -5,11 +5,17 @@ CTAs of ``rows`` weight rows each; inside a CTA ``warps`` warps split K in
 64-value steps (step ``s`` goes to warp ``s % warps``) and each warp keeps the
 weights of ``prefetch`` steps in flight in registers, the first batch issued
 before ``griddepcontrol.wait`` so it streams while the RMSNorm kernel runs.
+
+Shared memory (``QKVSmem``): xn's MAX_M token rows, staged whole or, where
+the whole rows do not fit a CTA (hidden above about 13k), in K-chunks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX
+from flintgen.spec import MAX_TOKENS_LIMIT
 
 MAX_CLUSTER = 8          # portable cluster-size limit (no opt-in attribute needed)
 K_STEP = 64              # k per warp step: 4 threads x 16 values (one NVFP4 scale block each)
@@ -19,6 +25,19 @@ PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights
 # dequantized before the grid wait: flint's 32-row CTAs use 88 (+ 38 others =
 # 126), so two 256-thread CTAs still fit an SM (160 CTAs, one wave).
 EARLY_DEQUANT_REG_BUDGET = 88
+# Hidden sizes of the fused QKV step (the GEMV's and the RMSNorm's): multiples
+# of K_STEP in this range, compiled spill-free (tests/test_qkv_grid.py).
+HIDDEN_RANGE = (512, 16384)
+
+
+def check_hidden(hidden: int) -> None:
+    """ValueError unless ``hidden`` is a multiple of K_STEP in HIDDEN_RANGE."""
+    lo, hi = HIDDEN_RANGE
+    if hidden % K_STEP or not lo <= hidden <= hi:
+        raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: it must be a "
+                         f"multiple of {K_STEP} (one 64-value step per quad) in {lo}..{hi}; pad the hidden "
+                         f"size to a multiple of {K_STEP}, or run an unfused path (rms_norm + a GEMM) "
+                         "outside that range")
 
 
 @dataclass(frozen=True)
@@ -99,10 +118,7 @@ class QKVConfig:
           per grid) early dequantization was slower (6.19 vs 5.36 us GEMV: 95
           registers, two waves), so rows 16 keeps 0.
         """
-        if hidden % K_STEP:
-            raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: "
-                             f"it must be a multiple of {K_STEP} (one 64-value step per quad); "
-                             "pad the hidden size")
+        check_hidden(hidden)
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise NotImplementedError(
                 f"qkv: head_dim = {head_dim} is not supported by the fused QKV step yet (supported: "
@@ -119,3 +135,127 @@ class QKVConfig:
         prefetch = max(1, min(per_warp, PREFETCH_REG_BUDGET // cls.regs_per_step(weight_format, rows // 16)))
         early = cls.early_steps(prefetch, rows // 16) if weight_format == "nvfp4" and rows == 32 else 0
         return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch, early_dequant=early)
+
+
+# ---------------------------------------------------------------- shared memory
+MAX_M = MAX_TOKENS_LIMIT  # token rows the GEMV stages (one MMA's N)
+XS_PAD = 16               # bytes after each staged xn row: rows g, g + 1 of a 16-byte access phase
+                          # land on different banks
+RED_PAD = 4               # fp32 after each token's rows in the cross-warp buffer: no bank conflicts
+MBAR_BYTES = 16           # two mbarriers: [0] xn landed, [1] rows landed (rank 0)
+
+
+def _align(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+@dataclass(frozen=True)
+class QKVSmem:
+    """Shared memory of one GEMV CTA, in the template's allocation order
+    (SmemAllocator places each buffer at the next multiple of its alignment):
+    ``red`` (the warps' fp32 partial rows, 16-aligned), ``head_rows`` (rank
+    0's bf16 rows of the head, 16), ``xs`` (xn's MAX_M rows, 128) and the two
+    mbarriers (8).
+
+    xn is staged in ``chunks`` K-chunks of ``chunk_steps`` 64-value steps:
+    one chunk (the whole row) wherever it fits, which is every hidden size up
+    to about 13k; above that rank 0 multicasts chunk c + 1 into the same
+    buffer once every CTA of the cluster is done with chunk c (a cluster
+    barrier). A chunk of a chunked plan is a multiple of ``warps`` steps, so
+    each warp's steps of a chunk are consecutive iterations of its loop.
+    """
+
+    hidden: int
+    head_dim: int
+    rows: int
+    warps: int
+    chunk_steps: int
+
+    def __post_init__(self) -> None:
+        steps = self.hidden // K_STEP
+        if self.hidden % K_STEP or steps < 1:
+            raise ValueError(f"QKVSmem: hidden = {self.hidden} must be a positive multiple of {K_STEP}")
+        if self.chunk_steps != steps and not (0 < self.chunk_steps < steps and self.chunk_steps % self.warps == 0):
+            raise ValueError(f"QKVSmem.chunk_steps = {self.chunk_steps} must be the whole row ({steps} steps) "
+                             f"or a multiple of warps = {self.warps} below it")
+        if self.total_bytes > SMEM_PER_CTA_MAX:
+            raise ValueError(f"QKVSmem: {self.total_bytes} bytes of shared memory per CTA (hidden {self.hidden}, "
+                             f"head_dim {self.head_dim}, rows {self.rows}, warps {self.warps}, xn chunks of "
+                             f"{self.chunk_steps} steps) exceed the {SMEM_PER_CTA_MAX} a CTA may opt into: "
+                             "stage xn in smaller chunks (QKVSmem.plan) or use fewer warps")
+
+    @property
+    def steps(self) -> int:
+        return self.hidden // K_STEP
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.steps // self.chunk_steps)
+
+    @property
+    def chunk_row_bytes(self) -> tuple[int, ...]:
+        """Bytes of one token row in each chunk (the last may be shorter)."""
+        return tuple((min(self.steps, (c + 1) * self.chunk_steps) - c * self.chunk_steps) * K_STEP * 2
+                     for c in range(self.chunks))
+
+    @property
+    def red_stride(self) -> int:
+        """fp32 per token in the cross-warp buffer."""
+        return self.rows + RED_PAD
+
+    @property
+    def xs_stride(self) -> int:
+        """Bytes per staged token row."""
+        return self.chunk_steps * K_STEP * 2 + XS_PAD
+
+    @property
+    def red_bytes(self) -> int:
+        return self.warps * MAX_M * self.red_stride * 4
+
+    @property
+    def head_rows_bytes(self) -> int:
+        return MAX_M * self.head_dim * 2
+
+    @property
+    def xs_bytes(self) -> int:
+        return MAX_M * self.xs_stride
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        red = 0
+        head_rows = _align(red + self.red_bytes, 16)
+        xs = _align(head_rows + self.head_rows_bytes, 128)
+        mbar = _align(xs + self.xs_bytes, 8)
+        return {"red": red, "head_rows": head_rows, "xs": xs, "mbar": mbar}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.offsets["mbar"] + MBAR_BYTES
+
+    @classmethod
+    def plan(cls, hidden: int, head_dim: int, rows: int, warps: int) -> "QKVSmem":
+        """The whole row where it fits, else the fewest chunks that fit
+        (balanced, each rounded up to a multiple of ``warps`` steps)."""
+        if hidden % K_STEP or hidden < K_STEP:
+            raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: it must be a "
+                             f"positive multiple of {K_STEP} (one 64-value step per quad); pad the hidden size")
+        steps = hidden // K_STEP
+        whole = dict(hidden=hidden, head_dim=head_dim, rows=rows, warps=warps, chunk_steps=steps)
+        if cls._fits(whole):
+            return cls(**whole)
+        for chunks in range(2, steps // warps + 1):
+            cs = _align(-(-steps // chunks), warps)
+            if cs >= steps:
+                continue
+            trial = dict(whole, chunk_steps=cs)
+            if cls._fits(trial):
+                return cls(**trial)
+        return cls(**dict(whole, chunk_steps=warps))  # raises: not even one step per warp fits
+
+    @classmethod
+    def _fits(cls, params: dict) -> bool:
+        try:
+            cls(**params)
+        except ValueError:
+            return False
+        return True

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from flintgen import layout
-from flintgen.configs.qkv_config import QKVConfig
+from flintgen.configs.qkv_config import HIDDEN_RANGE, MAX_M, QKVConfig, QKVSmem
 from flintgen.kernels import checks
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
 from flintgen.spec import MAX_TOKENS_LIMIT, Spec
@@ -64,6 +64,9 @@ class QKVDef(KernelDef):
         """The binary for ``spec``; ``debug`` adds the pre-norm output; ``config``
         overrides the heuristic (benchmark sweeps)."""
         cfg = config or self.config(spec)
+        # The shared-memory plan of this launch (whole xn rows, or K-chunks where they
+        # do not fit a CTA); raises if not even chunks fit.
+        QKVSmem.plan(spec.hidden_size, spec.head_dim, cfg.rows, cfg.warps)
         return Variant.of(
             self.name, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
             kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim,
@@ -73,8 +76,9 @@ class QKVDef(KernelDef):
             early_dequant=cfg.early_dequant if spec.weight_format == "nvfp4" else 0,
         )
 
-    # Compiled spill-free for hidden 512 ... 16384, bf16 and NVFP4 (ptxas 13.0: at most 148 registers).
-    limits = {"hidden_size": (512, 16384), "max_tokens": (1, MAX_TOKENS_LIMIT)}
+    # Compiled spill-free for hidden 512 ... 16384 (multiples of 64), bf16 and NVFP4
+    # (tests/test_qkv_grid.py); xn is staged in K-chunks above about 13k (QKVSmem).
+    limits = {"hidden_size": HIDDEN_RANGE, "max_tokens": (1, MAX_TOKENS_LIMIT)}
 
     def check_limits(self, spec: Spec) -> None:
         super().check_limits(spec)
@@ -101,7 +105,10 @@ class QKVDef(KernelDef):
             raise ValueError(f"qkv variant {variant.name} lacks parameters {missing}")
         n_rows = (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"]
         kv = layout.kv_dtype("bf16")  # the epilogue writes the bf16 rows it computes (head_epilogue)
+        sm = QKVSmem.plan(p["hidden"], p["head_dim"], p["rows"], p["warps"])
         return {
+            "max_m": MAX_M, "xn_chunks": sm.chunks, "chunk_steps": sm.chunk_steps,
+            "chunk_row_bytes": sm.chunk_row_bytes, "xs_stride": sm.xs_stride, "red_stride": sm.red_stride,
             "hidden": p["hidden"], "q_heads": p["q_heads"], "kv_heads": p["kv_heads"],
             "head_dim": p["head_dim"], "n_rows": n_rows, "weight_format": p["weight_format"],
             "is_nvfp4": p["weight_format"] == "nvfp4", "has_bias": p["bias"], "has_rope": p["rope"],

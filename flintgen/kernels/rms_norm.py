@@ -3,7 +3,8 @@
     xn = rms_norm(x, weight, eps)                        (first layer)
     xn, residual_out = rms_norm(x, weight, eps, residual)   r = x + residual
 
-x, residual: [M, hidden] bf16 contiguous; weight: [hidden] bf16.
+x, residual: [M, hidden] bf16 contiguous; weight: [hidden] bf16. A spec with
+``norm_weight_offset = 1`` (Gemma) scales by ``f32(weight) + 1`` in fp32.
 """
 
 from __future__ import annotations
@@ -27,19 +28,16 @@ class RMSNormDef(KernelDef):
     # Any M: the token count is a run-time dimension (max_tokens bounds the spec, not this kernel).
     limits = {"hidden_size": (64, 32768), "max_tokens": (1, 256)}
 
-    def check_limits(self, spec: Spec) -> None:
-        super().check_limits(spec)
-        if spec.norm_weight_offset:
-            raise ValueError(f"kernel rms_norm: norm_weight_offset = {spec.norm_weight_offset} (spec {spec.name!r}) "
-                             "is not in the kernel yet: it would scale by w, not (1 + w)")
-
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
         self.check_limits(spec)
-        return [Variant.of(self.name, hidden=spec.hidden_size, has_residual=r) for r in (False, True)]
+        # norm_weight_offset only where set: the other variants keep their names.
+        off = {"norm_weight_offset": spec.norm_weight_offset} if spec.norm_weight_offset else {}
+        return [Variant.of(self.name, hidden=spec.hidden_size, has_residual=r, **off) for r in (False, True)]
 
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
         cfg = RMSNormConfig.for_hidden(variant["hidden"])
         return {"hidden": variant["hidden"], "has_residual": variant["has_residual"],
+                "norm_weight_offset": dict(variant.params).get("norm_weight_offset", 0),
                 "threads": cfg.threads, "vec_per_thread": cfg.vec_per_thread}
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "RMSNormOp":

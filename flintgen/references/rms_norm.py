@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 
-def rms_norm_ref(x, weight, eps, residual=None):
-    """(xn fp32, r bf16): r = bf16(x + residual) exactly as torch adds bf16;
-    xn = f32(r) * rsqrt(mean(f32(r)^2) + eps) * f32(w), left in fp32 so a test
-    can measure the kernel's rounding (<= 1 bf16 ulp)."""
+def rms_norm_ref(x, weight, eps, residual=None, offset: int = 0, dtype=None):
+    """(xn, r bf16): r = bf16(x + residual) exactly as torch adds bf16;
+    xn = f(r) * rsqrt(mean(f(r)^2) + eps) * (f(w) + offset), left unrounded so
+    a test can measure the kernel's rounding (<= 1 bf16 ulp). ``offset`` is
+    spec.norm_weight_offset (Gemma's 1 + w, as transformers computes it in
+    fp32); ``dtype`` the math (torch.float32 by default, or torch.float64)."""
     import torch
 
+    dtype = torch.float32 if dtype is None else dtype
     r = x if residual is None else (x + residual)  # bf16 add: fp32 math, one rounding
-    rf = r.float()
+    rf = r.to(dtype)
     rstd = torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
-    return rf * rstd * weight.float(), r
+    return rf * rstd * (weight.to(dtype) + offset), r
 
 
 def bf16_ulp(ref):
