@@ -31,6 +31,9 @@ KDEF = QKVDef()
 T132 = Target("sm_90a", 132)
 CUDA = torch.cuda.is_available()
 
+PHI_SHORT48 = [round(1.0 + 0.0125 * i, 4) for i in range(48)]   # synthetic longrope factors (the shape of Phi-4-mini's)
+PHI_LONG48 = [round(1.08 ** i, 4) for i in range(48)]
+
 SPECS = {
     "flint": FLINT,
     "flint_bf16": FLINT.replace(weight_format="bf16"),
@@ -43,7 +46,34 @@ SPECS = {
     "oss_bf16": FLINT.replace(hidden_size=2880, num_q_heads=64, num_kv_heads=8, head_dim=64, qkv_bias=True,
                               qk_norm=False, weight_format="bf16"),
     "d256": FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rope_style="none"),
+    # head_dim 96 (Phi-3.5-mini's head): 3-CTA clusters, 48 NeoX pairs on 24 lanes
+    "d96": FLINT.replace(hidden_size=3072, num_q_heads=32, num_kv_heads=8, head_dim=96),
+    # GLM-4-9B per rank (tp 1): rotary 64 of 128, interleaved pairs, qkv bias, no q/k norm
+    "glm4": FLINT.replace(hidden_size=4096, num_q_heads=32, num_kv_heads=2, rotary_dim=64, rope_style="interleaved",
+                          qkv_bias=True, qk_norm=False, weight_format="bf16", rope_theta=10000.0),
+    # GLM-4.5-Air-like: rotary 64 of 128, NeoX pairs, q/k norm over the whole head
+    "glm4_moe": FLINT.replace(hidden_size=4096, num_q_heads=12, num_kv_heads=1, rotary_dim=64, qkv_bias=True,
+                              rope_theta=1e6),
+    # Phi-4-mini: rotary 96 of 128 (24 lanes of 2 pairs, 32 pass-through dims), NeoX, longrope
+    "phi4_mini": FLINT.replace(hidden_size=3072, num_q_heads=24, num_kv_heads=8, rotary_dim=96, qk_norm=False,
+                               weight_format="bf16", rope_theta=10000.0, rope_scaling="longrope",
+                               rope_scaling_params={"short_factor": PHI_SHORT48, "long_factor": PHI_LONG48,
+                                                    "factor": 32.0, "original_max_position_embeddings": 4096}),
+    "flint_interleaved": FLINT.replace(rope_style="interleaved"),
+    # Gemma-3-4b's attention: head 256, q/k norm weights scaled by (1 + w), rope over the whole head
+    # (NVFP4: with bf16 weights this shape takes 138 registers, before this epilogue too)
+    "gemma3_4b": FLINT.replace(hidden_size=2560, num_q_heads=8, num_kv_heads=4, head_dim=256, norm_weight_offset=1,
+                               rope_theta=1e6),
+    # shapes no model above has: 8-element runs (interleaved d256, 192 pass-through dims of d256
+    # 8 per lane on 24 lanes) and d96 with rotary 24 (12 pair lanes, 18 pass lanes; GPT-NeoX-20B)
+    "d256_interleaved": FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rope_style="interleaved"),
+    "d256_r64": FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rotary_dim=64, norm_weight_offset=1),
+    "d96_r24": FLINT.replace(hidden_size=3072, num_q_heads=32, num_kv_heads=8, head_dim=96, rotary_dim=24,
+                             weight_format="bf16"),
 }
+# which heads rotate how (the epilogue's code paths beyond flint's whole-head NeoX)
+ROPE_CASES = ["d96", "glm4", "glm4_moe", "phi4_mini", "flint_interleaved", "gemma3_4b", "d256_interleaved",
+              "d256_r64", "d96_r24"]
 
 
 def _f32(bits16: int) -> float:
@@ -287,7 +317,7 @@ def test_residual_out_without_residual():
 
 
 # ============================================================== compiled variants
-COMPILE_CASES = ["flint", "flint_bf16", "flint_norope", "bf16_4096", "oss_nvfp4", "oss_bf16", "d256"]
+COMPILE_CASES = ["flint", "flint_bf16", "flint_norope", "bf16_4096", "oss_nvfp4", "oss_bf16", "d256"] + ROPE_CASES
 
 
 @pytest.mark.compile
