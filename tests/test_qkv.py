@@ -254,7 +254,7 @@ def _cpu_args(spec=FLINT, m=2, device="cpu"):
         a.update(weight=torch.zeros(n, h, **bf), weight_scale=None, global_scale=None)
     a.update(q_norm_weight=torch.ones(d, **bf) if spec.qk_norm else None,
              k_norm_weight=torch.ones(d, **bf) if spec.qk_norm else None,
-             cos_sin_cache=torch.zeros(64, d, device=device) if spec.rope_style != "none" else None,
+             cos_sin_cache=torch.zeros(64, spec.rope_dim, device=device) if spec.rope_style != "none" else None,
              positions=torch.zeros(m, dtype=torch.int64, device=device),
              k_cache=torch.zeros(4, 16, kv, d, **bf), v_cache=torch.zeros(4, 16, kv, d, **bf),
              slot_mapping=torch.zeros(m, dtype=torch.int64, device=device),
@@ -314,6 +314,165 @@ def test_residual_out_without_residual():
     a["residual"] = None
     with pytest.raises(ValueError, match="residual_out was given without residual"):
         _op()(**a, residual_out=torch.zeros(2, 2048, dtype=torch.bfloat16))
+
+
+def test_partial_rotary_wants_a_rotary_dim_table():
+    spec = SPECS["glm4"]
+    a = _cpu_args(spec)
+    a["cos_sin_cache"] = torch.zeros(64, 128)
+    with pytest.raises(ValueError, match=r"cos_sin_cache must have shape \[max_pos, 64\] \(cos \| sin, rotary_dim = "
+                                         r"64\), got \(64, 128\): build it with flintgen.rope_table"):
+        _op(spec)(**a)
+
+
+# ============================================================== epilogue lane mapping (CPU)
+def _emulate_epilogue(pre, lanes, w=None, offset=0, cs=None, eps=1e-6):
+    """The per-head epilogue's index math on the CPU, one token row: ``pre``
+    [D] fp32, ``w`` [D] (q/k norm weight), ``cs`` [R] (cos | sin row). Each of
+    the 32 lanes loads what head_epilogue loads (clamped past the active
+    lanes), the sum of squares adds the active lanes only, and active lanes
+    store. Returns (out [D], stores per element)."""
+    D, R, P, S = lanes.head_dim, lanes.rope_dim, lanes.pair_e, lanes.pass_e
+    out = torch.full((D,), float("nan"))
+    count = torch.zeros(D, dtype=torch.int64)
+    per_lane, ss = [], torch.zeros((), dtype=torch.float32)
+    for lane in range(32):
+        lp = min(lane, lanes.pair_lanes - 1)
+        if lanes.interleaved:
+            run = lp * 2 * P + torch.arange(2 * P)
+            ia, ib = run[0::2], run[1::2]
+        else:
+            ia = lp * P + torch.arange(P)
+            ib = ia + R // 2
+        cols = lp * P + torch.arange(P)                       # cos columns (sin: + R/2)
+        ip = R + min(lane, lanes.pass_lanes - 1) * S + torch.arange(S) if S else torch.arange(0)
+        for idx in (ia, ib, ip):
+            assert ((0 <= idx) & (idx < D)).all()
+        assert (cols < R // 2).all()
+        if lane < lanes.pair_lanes:
+            ss = ss + (pre[ia] ** 2 + pre[ib] ** 2).sum()
+        if S and lane < lanes.pass_lanes:
+            ss = ss + (pre[ip] ** 2).sum()
+        per_lane.append((lane, ia, ib, ip, cols))
+    rstd = torch.rsqrt(ss / D + eps) if w is not None else None
+    for lane, ia, ib, ip, cols in per_lane:
+        xa, xb, xp = pre[ia], pre[ib], pre[ip]
+        if w is not None:
+            f = w + float(offset)
+            xa, xb, xp = xa * rstd * f[ia], xb * rstd * f[ib], xp * rstd * f[ip]
+        if cs is not None:
+            c, s_ = cs[cols], cs[R // 2 + cols]
+            xa, xb = xa * c - xb * s_, xb * c + xa * s_
+        if lane < lanes.pair_lanes:
+            out[ia], out[ib] = xa, xb
+            count[ia] += 1
+            count[ib] += 1
+        if S and lane < lanes.pass_lanes:
+            out[ip] = xp
+            count[ip] += 1
+    return out, count
+
+
+def _emulate_v(lanes):
+    """Elements the v copy stores, per element (must be 1 each)."""
+    D, E = lanes.head_dim, lanes.v_e
+    count = torch.zeros(D, dtype=torch.int64)
+    for lane in range(lanes.v_lanes):
+        run = lane * E + torch.arange(E)
+        count[run] += 1
+        count[run + D // 2] += 1
+    return count
+
+
+LANE_CASES = [(128, 128, False), (96, 96, False), (64, 64, False), (256, 256, False), (128, 64, True),
+              (128, 64, False), (128, 96, False), (128, 128, True), (96, 96, True), (96, 24, False),
+              (256, 64, False), (256, 256, True), (128, 32, True), (64, 16, False), (256, 128, True)]
+
+
+@pytest.mark.parametrize("d, r, inter", LANE_CASES, ids=[f"d{d}r{r}{'i' if i else 'n'}" for d, r, i in LANE_CASES])
+def test_epilogue_lane_mapping_matches_reference(d, r, inter):
+    """Every element stored exactly once, pairs and cos / sin columns as the
+    reference pairs them, the norm over all D dims: the emulated epilogue is
+    within 1 ulp of qk_norm_rope_ref for norm + rope, norm only and rope only."""
+    from flintgen.configs.qkv_config import EpilogueLanes
+
+    lanes = EpilogueLanes.of(d, r, inter)
+    assert torch.equal(_emulate_v(lanes), torch.ones(d, dtype=torch.int64))
+    g = torch.Generator().manual_seed(d + r + inter)
+    pre = torch.randn(1, d, generator=g).bfloat16()
+    w = (torch.randn(d, generator=g) * 0.3).bfloat16()
+    cs = torch.rand(4, r, generator=g) * 2 - 1
+    pos = torch.tensor([2])
+    style = "interleaved" if inter else "neox"
+    for norm, rope, off in ((True, True, 0), (True, True, 1), (True, False, 0), (False, True, 0)):
+        out, count = _emulate_epilogue(pre[0].float(), lanes, w.float() if norm else None, off,
+                                       cs[2] if rope else None)
+        assert torch.equal(count, torch.ones(d, dtype=torch.int64)), count
+        ref, mag = qk_norm_rope_ref(pre, d, w if norm else None, 1e-6, cs if rope else None, pos, style, off)
+        ok = within_ulp(out[None].bfloat16(), ref, floor=2.0 ** -19 * mag)
+        assert ok.all(), (norm, rope, off, int((~ok).sum()))
+
+
+def test_unsplittable_rotary_dims_are_refused():
+    """rotary_dims whose runs would not be aligned: ValueError with the value,
+    what is supported and the fix (at build time, before any compile)."""
+    for bad, what in ((FLINT.replace(rotary_dim=2), r"rotary_dim = 2 is not supported with head_dim 128: the 126 "
+                                                    r"pass-through dims go 4 per lane.*use a rotary_dim that is"),
+                      (FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rotary_dim=132),
+                       r"rotary_dim = 132 .*multiple of 4 \(supported: rotary_dim <= 64 any even, <= 128 a multiple "
+                       r"of 4, <= 256 a multiple of 8\); use the whole head")):
+        with pytest.raises(ValueError, match=r"kernel qkv \(spec 'flint'\): qkv: " + what):
+            KDEF.variants(bad, T132)
+
+
+def _wrong_refs(spec):
+    """(label, kwargs) of what a kernel ignoring one of the spec's epilogue
+    features would compute instead: NeoX for interleaved, the whole-head
+    table for partial rotary, w for (1 + w)."""
+    out = []
+    if spec.rope_style == "interleaved":
+        out.append(("neox pairs", dict(rope_style="neox")))
+    if spec.rope_style == "neox" and spec.rope_dim < spec.head_dim:
+        out.append(("interleaved pairs", dict(rope_style="interleaved")))
+    if spec.rope_dim < spec.head_dim:
+        whole = spec.replace(rotary_dim=None, rope_scaling="none", rope_scaling_params={})
+        out.append(("whole-head neox", dict(cos_sin=quant.rope_table(whole, 4096), rope_style="neox")))
+    if spec.norm_weight_offset:
+        out.append(("w instead of 1 + w", dict(norm_weight_offset=0)))
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in ROPE_CASES if _wrong_refs(SPECS[n])])
+def test_references_tell_rope_variants_apart(name):
+    """The GPU check (Case.check's criterion) would fail a kernel that
+    computed plain whole-head NeoX, or ignored the norm offset: each such
+    result differs from the spec's reference on most rotated elements (the
+    offset: on most elements)."""
+    spec = SPECS[name]
+    d, h = spec.head_dim, 4
+    g = torch.Generator().manual_seed(5)
+    pre = torch.randn(3, h * d, generator=g).bfloat16()
+    shift = 0.0 if spec.norm_weight_offset else 1.0
+    w = (torch.randn(d, generator=g) * 0.3 + shift).bfloat16() if spec.qk_norm else None
+    pos = torch.tensor([100, 1777, 4000])
+    right = dict(cos_sin=quant.rope_table(spec, 4096), rope_style=spec.rope_style,
+                 norm_weight_offset=spec.norm_weight_offset)
+
+    def ref(**k):
+        a = dict(right, **k)
+        return qk_norm_rope_ref(pre, d, w, 1e-6, a["cos_sin"], pos, a["rope_style"], a["norm_weight_offset"])
+
+    want, mag = ref()
+    for label, change in _wrong_refs(spec):
+        got, _ = ref(**change)
+        bad = ~within_ulp(got.bfloat16(), want, floor=2.0 ** -19 * mag)
+        frac = bad.view(3, h, d)[..., :spec.rope_dim].float().mean()
+        assert frac > 0.5, (label, float(frac))
+    if spec.rope_dim < d:                                  # the pass-through dims are the normalized rows
+        x = pre.float().view(3, h, d)
+        if w is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.float() + spec.norm_weight_offset)
+        assert torch.equal(want.view(3, h, d)[..., spec.rope_dim:], x[..., spec.rope_dim:])
 
 
 # ============================================================== compiled variants
@@ -379,8 +538,11 @@ class Case:
             self.weight_scale = self.global_scale = None
             self.w_ref = self.weight.double().cpu()
         self.bias = rnd(n, scale=0.5) if spec.qkv_bias else None
-        self.q_norm = rnd(d, scale=0.3, shift=1.0) if spec.qk_norm else None
-        self.k_norm = rnd(d, scale=0.3, shift=1.0) if spec.qk_norm else None
+        # norm_weight_offset 1 (Gemma): stored weights near 0 scale by ~(1 + w); a kernel
+        # scaling by w would be far off
+        shift = 0.0 if spec.norm_weight_offset else 1.0
+        self.q_norm = rnd(d, scale=0.3, shift=shift) if spec.qk_norm else None
+        self.k_norm = rnd(d, scale=0.3, shift=shift) if spec.qk_norm else None
         self.rope = spec.rope_style != "none"
         self.cos_sin = quant.rope_table(spec, max_pos, dev) if self.rope else None
         self.positions = torch.randint(0, max_pos, (m,), generator=gen).to(dev)
@@ -437,12 +599,14 @@ class Case:
         qn = None if self.q_norm is None else self.q_norm.cpu()
         kn = None if self.k_norm is None else self.k_norm.cpu()
         eps = spec.rms_eps
-        qref, qmag = qk_norm_rope_ref(pre[:, :qh * d], d, qn, eps, cs, pos)
+        style = spec.rope_style if self.rope else "neox"
+        off = spec.norm_weight_offset
+        qref, qmag = qk_norm_rope_ref(pre[:, :qh * d], d, qn, eps, cs, pos, style, off)
         qk = q.cpu()
         assert not qk.isnan().any(), f"{label}: unwritten q"
         ok = within_ulp(qk, qref, floor=2.0 ** -19 * qmag)
         assert ok.all(), f"{label}: {int((~ok).sum())} q elements beyond 1 ulp"
-        kref, kmag = qk_norm_rope_ref(pre[:, qh * d:(qh + kv) * d], d, kn, eps, cs, pos)
+        kref, kmag = qk_norm_rope_ref(pre[:, qh * d:(qh + kv) * d], d, kn, eps, cs, pos, style, off)
         vref = pre[:, (qh + kv) * d:]
         kc, vc = self.k_cache.cpu(), self.v_cache.cpu()
         written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool)
@@ -474,14 +638,20 @@ def _get(ops, name):
 # ============================================================== GPU numerics
 GPU_CASES = [("flint", m) for m in range(1, 9)] + [
     ("flint_bf16", 3), ("flint_norope", 5), ("flint_nonorm", 2), ("bf16_4096", 1), ("bf16_4096", 8),
-    ("oss_nvfp4", 1), ("oss_nvfp4", 7), ("oss_bf16", 4), ("d256", 6)]
+    ("oss_nvfp4", 1), ("oss_nvfp4", 7), ("oss_bf16", 4), ("d256", 6),
+    # the epilogue's RoPE / norm variants (ROPE_CASES)
+    ("d96", 1), ("d96", 8), ("glm4", 5), ("glm4", 8), ("glm4_moe", 8), ("phi4_mini", 4), ("phi4_mini", 8),
+    ("flint_interleaved", 7), ("gemma3_4b", 2), ("gemma3_4b", 8), ("d256_interleaved", 3), ("d256_r64", 6),
+    ("d96_r24", 8)]
+MAX_POS = {"phi4_mini": 8192}   # longrope: positions on both sides of original_max_position_embeddings 4096
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, m", GPU_CASES, ids=[f"{n}-M{m}" for n, m in GPU_CASES])
 def test_numerics(ops, name, m):
     op = _get(ops, name)
-    c = Case(SPECS[name], m, seed=100 * m + len(name), residual=(m % 3 != 1), n_slots=max(m - (m % 2), 1))
+    c = Case(SPECS[name], m, seed=100 * m + len(name), residual=(m % 3 != 1), n_slots=max(m - (m % 2), 1),
+             max_pos=MAX_POS.get(name, 4096))
     q, res = c.run(op)
     c.check(q, res, f"{name} M={m}")
     # the production binary computes the same bits as the debug one
@@ -496,7 +666,8 @@ def test_numerics(ops, name, m):
 OTHER_CONFIGS = [("flint", QKVConfig(32, 4, 8, 4), 8), ("flint", QKVConfig(32, 4, 8, 4, 3), 2),
                  ("flint", QKVConfig(16, 8, 8, 4, 4), 8), ("flint", QKVConfig(16, 8, 8, 4), 5),
                  ("flint", QKVConfig(16, 8, 4, 8), 3), ("bf16_4096", QKVConfig(16, 8, 8, 4), 8),
-                 ("oss_nvfp4", QKVConfig(16, 4, 8, 6, 6), 6)]
+                 ("oss_nvfp4", QKVConfig(16, 4, 8, 6, 6), 6),
+                 ("d96", QKVConfig(16, 6, 8, 6), 8), ("d96", QKVConfig(16, 6, 8, 6), 3)]   # 6-CTA clusters
 
 
 @pytest.mark.gpu
@@ -527,6 +698,21 @@ def test_hnd_views_of_flint_cache(ops):
     for t, s in enumerate(c.slots.cpu().tolist()):
         if s >= 0:
             page = c.cache[s // 16, :, s % 16].cpu()            # [kv, 2D]
+            assert torch.equal(page[:, d:].reshape(-1), c.pre[t, (c.qh + c.kv) * d:].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["d96", "glm4", "phi4_mini"])
+def test_hnd_views_rope_variants(ops, name):
+    """head_dim 96 and partial rotary through HND cache views (a page row of 2D)."""
+    spec = SPECS[name]
+    c = Case(spec, 6, seed=17, hnd=True, n_slots=5, max_pos=MAX_POS.get(name, 4096))
+    q, res = c.run(_get(ops, name))
+    c.check(q, res, f"{name} HND")
+    d, bs = c.d, spec.page_size
+    for t, s in enumerate(c.slots.cpu().tolist()):
+        if s >= 0:
+            page = c.cache[s // bs, :, s % bs].cpu()            # [kv, 2D]
             assert torch.equal(page[:, d:].reshape(-1), c.pre[t, (c.qh + c.kv) * d:].cpu())
 
 
@@ -645,13 +831,18 @@ def test_composes_with_decode_attention(ops):
     assert ek <= 2 * et + 1e-6 and ek < 1e-2, (ek, et)
 
 
-def test_head_dim_96_is_refused_until_supported():
-    """The spec admits head_dim 96 (decode attention runs it); the fused QKV
-    step refuses it at build time and says how to build attention alone."""
+def test_head_dim_96_builds_3_cta_clusters():
+    """Phi-3.5-mini's head: 3 CTAs of 32 rows per head (multicast mask 0b111);
+    a head dim the fused step has no mapping for is refused, naming the fix."""
     spec = FLINT.replace(head_dim=96, num_q_heads=32, num_kv_heads=32, hidden_size=3072)
-    with pytest.raises(NotImplementedError, match=r"qkv: head_dim = 96 is not supported .*\[64, 128, 256\]\)\. "
-                                                  r"Decode attention supports it: .*--kernel decode_attention"):
-        QKVDef().variants(spec, Target("sm_90a", 132))
+    (v,) = QKVDef().variants(spec, Target("sm_90a", 132))
+    assert (v["head_dim"], v["rows"], v["cluster"]) == (96, 32, 3)
+    assert QKVConfig.from_heuristic(3072, 96, "nvfp4") == QKVConfig(32, 3, 8, 5, early_dequant=1)
+    with pytest.raises(NotImplementedError, match=r"qkv: head_dim = 80 is not supported .*\[64, 96, 128, 256\]\): "
+                                                  r"use one of those head dims, or build decode attention alone"):
+        QKVConfig.from_heuristic(2560, 80, "bf16")
+    with pytest.raises(ValueError, match=r"rows 32 x cluster 4 must cover head_dim = 96 .*use cluster = 3"):
+        QKVDef().variant(spec, config=QKVConfig(32, 4, 8, 4))
 
 
 def test_quantizer_outputs_on_the_weights_device():

@@ -109,7 +109,7 @@ class QKVConfig:
                 f"{list(SUPPORTED_HEAD_DIMS)}): use one of those head dims, or build decode attention "
                 "alone (flintgen build --kernel decode_attention, get_kernel(spec, 'decode_attention')).")
         rows = 16 if head_dim <= 64 else 32
-        cluster = head_dim // rows
+        cluster = head_dim // rows     # any size 1..8: d96 runs 3-CTA clusters (multicast mask 0b111)
         if cluster > MAX_CLUSTER:
             raise ValueError(f"head_dim = {head_dim} needs {cluster} CTAs of {rows} rows per head, "
                              f"over the portable cluster limit of {MAX_CLUSTER}")

@@ -69,6 +69,9 @@ class QKVDef(KernelDef):
         """The binary for ``spec``; ``debug`` adds the pre-norm output; ``config``
         overrides the heuristic (benchmark sweeps)."""
         cfg = config or self.config(spec)
+        if cfg.rows * cfg.cluster != spec.head_dim:
+            raise ValueError(f"qkv config rows {cfg.rows} x cluster {cfg.cluster} must cover head_dim = "
+                             f"{spec.head_dim} (one cluster per head): use cluster = {spec.head_dim // cfg.rows}")
         return Variant.of(
             self.name, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
             kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim,
