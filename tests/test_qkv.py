@@ -10,6 +10,11 @@ Numerics checked on the GPU, on fresh random inputs with poisoned outputs:
 * q and k within 1 bf16 ulp of an fp32 q/k-norm + RoPE of the kernel's own
   pre-norm rows (floor 2^-19 (|a| + |b|) for RoPE's a - b cancellations);
 * v bit-equal to its pre-norm rows; untouched cache slots keep their poison.
+
+ROPE_CASES are the epilogue's variants beyond flint's whole-head NeoX (head_dim
+96, partial rotary, interleaved pairs, norm_weight_offset): compiled here, run
+on the GPU here; their lane mapping and references are checked on the CPU in
+tests/test_qkv_epilogue.py.
 """
 
 from __future__ import annotations
