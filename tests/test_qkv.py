@@ -10,6 +10,11 @@ Numerics checked on the GPU, on fresh random inputs with poisoned outputs:
 * q and k within 1 bf16 ulp of an fp32 q/k-norm + RoPE of the kernel's own
   pre-norm rows (floor 2^-19 (|a| + |b|) for RoPE's a - b cancellations);
 * v bit-equal to its pre-norm rows; untouched cache slots keep their poison.
+
+ROPE_CASES are the epilogue's variants beyond flint's whole-head NeoX (head_dim
+96, partial rotary, interleaved pairs, norm_weight_offset): compiled here, run
+on the GPU here; their lane mapping and references are checked on the CPU in
+tests/test_qkv_epilogue.py.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from flintgen.references.qkv import bf16_ulp, gemv_ref, qk_norm_rope_ref, within
 KDEF = QKVDef()
 T132 = Target("sm_90a", 132)
 CUDA = torch.cuda.is_available()
+
+PHI_SHORT48 = [round(1.0 + 0.0125 * i, 4) for i in range(48)]   # synthetic longrope factors (the shape of Phi-4-mini's)
+PHI_LONG48 = [round(1.08 ** i, 4) for i in range(48)]
 
 SPECS = {
     "flint": FLINT,
@@ -53,7 +61,34 @@ SPECS = {
     "h16384": FLINT.replace(hidden_size=16384, num_q_heads=16, num_kv_heads=1),
     "h16384_bf16": FLINT.replace(hidden_size=16384, num_q_heads=4, num_kv_heads=1, head_dim=256,
                                  weight_format="bf16", qkv_bias=True),
+    # head_dim 96 (Phi-3.5-mini's head): 3-CTA clusters, 48 NeoX pairs on 24 lanes
+    "d96": FLINT.replace(hidden_size=3072, num_q_heads=32, num_kv_heads=8, head_dim=96),
+    # GLM-4-9B per rank (tp 1): rotary 64 of 128, interleaved pairs, qkv bias, no q/k norm
+    "glm4": FLINT.replace(hidden_size=4096, num_q_heads=32, num_kv_heads=2, rotary_dim=64, rope_style="interleaved",
+                          qkv_bias=True, qk_norm=False, weight_format="bf16", rope_theta=10000.0),
+    # GLM-4.5-Air-like: rotary 64 of 128, NeoX pairs, q/k norm over the whole head
+    "glm4_moe": FLINT.replace(hidden_size=4096, num_q_heads=12, num_kv_heads=1, rotary_dim=64, qkv_bias=True,
+                              rope_theta=1e6),
+    # Phi-4-mini: rotary 96 of 128 (24 lanes of 2 pairs, 32 pass-through dims), NeoX, longrope
+    "phi4_mini": FLINT.replace(hidden_size=3072, num_q_heads=24, num_kv_heads=8, rotary_dim=96, qk_norm=False,
+                               weight_format="bf16", rope_theta=10000.0, rope_scaling="longrope",
+                               rope_scaling_params={"short_factor": PHI_SHORT48, "long_factor": PHI_LONG48,
+                                                    "factor": 32.0, "original_max_position_embeddings": 4096}),
+    "flint_interleaved": FLINT.replace(rope_style="interleaved"),
+    # Gemma-3-4b's attention: head 256, q/k norm weights scaled by (1 + w), rope over the whole head
+    # (NVFP4: with bf16 weights this shape takes 138 registers, before this epilogue too)
+    "gemma3_4b": FLINT.replace(hidden_size=2560, num_q_heads=8, num_kv_heads=4, head_dim=256, norm_weight_offset=1,
+                               rope_theta=1e6),
+    # shapes no model above has: 8-element runs (interleaved d256, 192 pass-through dims of d256
+    # 8 per lane on 24 lanes) and d96 with rotary 24 (12 pair lanes, 18 pass lanes; GPT-NeoX-20B)
+    "d256_interleaved": FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rope_style="interleaved"),
+    "d256_r64": FLINT.replace(head_dim=256, num_q_heads=16, num_kv_heads=2, rotary_dim=64, norm_weight_offset=1),
+    "d96_r24": FLINT.replace(hidden_size=3072, num_q_heads=32, num_kv_heads=8, head_dim=96, rotary_dim=24,
+                             weight_format="bf16"),
 }
+# which heads rotate how (the epilogue's code paths beyond flint's whole-head NeoX)
+ROPE_CASES = ["d96", "glm4", "glm4_moe", "phi4_mini", "flint_interleaved", "gemma3_4b", "d256_interleaved",
+              "d256_r64", "d96_r24"]
 
 
 def _f32(bits16: int) -> float:
@@ -234,7 +269,7 @@ def _cpu_args(spec=FLINT, m=2, device="cpu"):
         a.update(weight=torch.zeros(n, h, **bf), weight_scale=None, global_scale=None)
     a.update(q_norm_weight=torch.ones(d, **bf) if spec.qk_norm else None,
              k_norm_weight=torch.ones(d, **bf) if spec.qk_norm else None,
-             cos_sin_cache=torch.zeros(64, d, device=device) if spec.rope_style != "none" else None,
+             cos_sin_cache=torch.zeros(64, spec.rope_dim, device=device) if spec.rope_style != "none" else None,
              positions=torch.zeros(m, dtype=torch.int64, device=device),
              k_cache=torch.zeros(4, 16, kv, d, **bf), v_cache=torch.zeros(4, 16, kv, d, **bf),
              slot_mapping=torch.zeros(m, dtype=torch.int64, device=device),
@@ -296,8 +331,17 @@ def test_residual_out_without_residual():
         _op()(**a, residual_out=torch.zeros(2, 2048, dtype=torch.bfloat16))
 
 
+def test_partial_rotary_wants_a_rotary_dim_table():
+    spec = SPECS["glm4"]
+    a = _cpu_args(spec)
+    a["cos_sin_cache"] = torch.zeros(64, 128)
+    with pytest.raises(ValueError, match=r"cos_sin_cache must have shape \[max_pos, 64\] \(cos \| sin, rotary_dim = "
+                                         r"64\), got \(64, 128\): build it with flintgen.rope_table"):
+        _op(spec)(**a)
+
+
 # ============================================================== compiled variants
-COMPILE_CASES = ["flint", "flint_bf16", "flint_norope", "bf16_4096", "oss_nvfp4", "oss_bf16", "d256"]
+COMPILE_CASES = ["flint", "flint_bf16", "flint_norope", "bf16_4096", "oss_nvfp4", "oss_bf16", "d256"] + ROPE_CASES
 
 
 @pytest.mark.compile
@@ -359,8 +403,11 @@ class Case:
             self.weight_scale = self.global_scale = None
             self.w_ref = self.weight.double().cpu()
         self.bias = rnd(n, scale=0.5) if spec.qkv_bias else None
-        self.q_norm = rnd(d, scale=0.3, shift=1.0) if spec.qk_norm else None
-        self.k_norm = rnd(d, scale=0.3, shift=1.0) if spec.qk_norm else None
+        # norm_weight_offset 1 (Gemma): stored weights near 0 scale by ~(1 + w); a kernel
+        # scaling by w would be far off
+        shift = 0.0 if spec.norm_weight_offset else 1.0
+        self.q_norm = rnd(d, scale=0.3, shift=shift) if spec.qk_norm else None
+        self.k_norm = rnd(d, scale=0.3, shift=shift) if spec.qk_norm else None
         self.rope = spec.rope_style != "none"
         self.cos_sin = quant.rope_table(spec, max_pos, dev) if self.rope else None
         self.positions = torch.randint(0, max_pos, (m,), generator=gen).to(dev)
@@ -417,12 +464,14 @@ class Case:
         qn = None if self.q_norm is None else self.q_norm.cpu()
         kn = None if self.k_norm is None else self.k_norm.cpu()
         eps = spec.rms_eps
-        qref, qmag = qk_norm_rope_ref(pre[:, :qh * d], d, qn, eps, cs, pos)
+        style = spec.rope_style if self.rope else "neox"
+        off = spec.norm_weight_offset
+        qref, qmag = qk_norm_rope_ref(pre[:, :qh * d], d, qn, eps, cs, pos, style, off)
         qk = q.cpu()
         assert not qk.isnan().any(), f"{label}: unwritten q"
         ok = within_ulp(qk, qref, floor=2.0 ** -19 * qmag)
         assert ok.all(), f"{label}: {int((~ok).sum())} q elements beyond 1 ulp"
-        kref, kmag = qk_norm_rope_ref(pre[:, qh * d:(qh + kv) * d], d, kn, eps, cs, pos)
+        kref, kmag = qk_norm_rope_ref(pre[:, qh * d:(qh + kv) * d], d, kn, eps, cs, pos, style, off)
         vref = pre[:, (qh + kv) * d:]
         kc, vc = self.k_cache.cpu(), self.v_cache.cpu()
         written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool)
@@ -456,14 +505,20 @@ GPU_CASES = [("flint", m) for m in range(1, 9)] + [
     ("flint_bf16", 3), ("flint_norope", 5), ("flint_nonorm", 2), ("bf16_4096", 1), ("bf16_4096", 8),
     ("oss_nvfp4", 1), ("oss_nvfp4", 7), ("oss_bf16", 4), ("d256", 6),
     ("qwen_896", 1), ("qwen_896", 8), ("qwen3_1024", 5), ("qwen_3584", 3), ("qwen_3584", 8),
-    ("h16384", 1), ("h16384", 8), ("h16384_bf16", 6)]
+    ("h16384", 1), ("h16384", 8), ("h16384_bf16", 6),
+    # the epilogue's RoPE / norm variants (ROPE_CASES)
+    ("d96", 1), ("d96", 8), ("glm4", 5), ("glm4", 8), ("glm4_moe", 8), ("phi4_mini", 4), ("phi4_mini", 8),
+    ("flint_interleaved", 7), ("gemma3_4b", 2), ("gemma3_4b", 8), ("d256_interleaved", 3), ("d256_r64", 6),
+    ("d96_r24", 8)]
+MAX_POS = {"phi4_mini": 8192}   # longrope: positions on both sides of original_max_position_embeddings 4096
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, m", GPU_CASES, ids=[f"{n}-M{m}" for n, m in GPU_CASES])
 def test_numerics(ops, name, m):
     op = _get(ops, name)
-    c = Case(SPECS[name], m, seed=100 * m + len(name), residual=(m % 3 != 1), n_slots=max(m - (m % 2), 1))
+    c = Case(SPECS[name], m, seed=100 * m + len(name), residual=(m % 3 != 1), n_slots=max(m - (m % 2), 1),
+             max_pos=MAX_POS.get(name, 4096))
     q, res = c.run(op)
     c.check(q, res, f"{name} M={m}")
     # the production binary computes the same bits as the debug one
@@ -478,7 +533,8 @@ def test_numerics(ops, name, m):
 OTHER_CONFIGS = [("flint", QKVConfig(32, 4, 8, 4), 8), ("flint", QKVConfig(32, 4, 8, 4, 3), 2),
                  ("flint", QKVConfig(16, 8, 8, 4, 4), 8), ("flint", QKVConfig(16, 8, 8, 4), 5),
                  ("flint", QKVConfig(16, 8, 4, 8), 3), ("bf16_4096", QKVConfig(16, 8, 8, 4), 8),
-                 ("oss_nvfp4", QKVConfig(16, 4, 8, 6, 6), 6)]
+                 ("oss_nvfp4", QKVConfig(16, 4, 8, 6, 6), 6),
+                 ("d96", QKVConfig(16, 6, 8, 6), 8), ("d96", QKVConfig(16, 6, 8, 6), 3)]   # 6-CTA clusters
 
 
 @pytest.mark.gpu
@@ -509,6 +565,21 @@ def test_hnd_views_of_flint_cache(ops):
     for t, s in enumerate(c.slots.cpu().tolist()):
         if s >= 0:
             page = c.cache[s // 16, :, s % 16].cpu()            # [kv, 2D]
+            assert torch.equal(page[:, d:].reshape(-1), c.pre[t, (c.qh + c.kv) * d:].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["d96", "glm4", "phi4_mini"])
+def test_hnd_views_rope_variants(ops, name):
+    """head_dim 96 and partial rotary through HND cache views (a page row of 2D)."""
+    spec = SPECS[name]
+    c = Case(spec, 6, seed=17, hnd=True, n_slots=5, max_pos=MAX_POS.get(name, 4096))
+    q, res = c.run(_get(ops, name))
+    c.check(q, res, f"{name} HND")
+    d, bs = c.d, spec.page_size
+    for t, s in enumerate(c.slots.cpu().tolist()):
+        if s >= 0:
+            page = c.cache[s // bs, :, s % bs].cpu()            # [kv, 2D]
             assert torch.equal(page[:, d:].reshape(-1), c.pre[t, (c.qh + c.kv) * d:].cpu())
 
 
@@ -627,13 +698,18 @@ def test_composes_with_decode_attention(ops):
     assert ek <= 2 * et + 1e-6 and ek < 1e-2, (ek, et)
 
 
-def test_head_dim_96_is_refused_until_supported():
-    """The spec admits head_dim 96 (decode attention runs it); the fused QKV
-    step refuses it at build time and says how to build attention alone."""
+def test_head_dim_96_builds_3_cta_clusters():
+    """Phi-3.5-mini's head: 3 CTAs of 32 rows per head (multicast mask 0b111);
+    a head dim the fused step has no mapping for is refused, naming the fix."""
     spec = FLINT.replace(head_dim=96, num_q_heads=32, num_kv_heads=32, hidden_size=3072)
-    with pytest.raises(NotImplementedError, match=r"qkv: head_dim = 96 is not supported .*\[64, 128, 256\]\)\. "
-                                                  r"Decode attention supports it: .*--kernel decode_attention"):
-        QKVDef().variants(spec, Target("sm_90a", 132))
+    (v,) = QKVDef().variants(spec, Target("sm_90a", 132))
+    assert (v["head_dim"], v["rows"], v["cluster"]) == (96, 32, 3)
+    assert QKVConfig.from_heuristic(3072, 96, "nvfp4") == QKVConfig(32, 3, 8, 5, early_dequant=1)
+    with pytest.raises(NotImplementedError, match=r"qkv: head_dim = 80 is not supported .*\[64, 96, 128, 256\]\): "
+                                                  r"use one of those head dims, or build decode attention alone"):
+        QKVConfig.from_heuristic(2560, 80, "bf16")
+    with pytest.raises(ValueError, match=r"rows 32 x cluster 4 must cover head_dim = 96 .*use cluster = 3"):
+        QKVDef().variant(spec, config=QKVConfig(32, 4, 8, 4))
 
 
 def test_quantizer_outputs_on_the_weights_device():

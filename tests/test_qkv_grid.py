@@ -37,12 +37,18 @@ KDEF = QKVDef()
 NORM = RMSNormDef()
 T132 = Target("sm_90a", 132)
 
-# One constant per factor: extend these to grow the grid (e.g. head dim 96;
-# partial / interleaved RoPE as further ROPES entries: a name -> spec fields).
-HEAD_DIMS = (64, 128, 256)
+# One constant per factor: extend these to grow the grid. ROPES: name -> the
+# spec fields for a head dim (partial rotary: half the head, as GLM-4).
+HEAD_DIMS = (64, 96, 128, 256)
 HIDDENS = (512, 896, 1024, 2048, 2560, 3072, 3584, 5120, 8192, 16384)
 FORMATS = ("bf16", "nvfp4")
-ROPES = {"none": dict(rope_style="none"), "neox": dict(rope_style="neox")}
+ROPES = {
+    "none": lambda d: dict(rope_style="none"),
+    "neox": lambda d: dict(rope_style="neox"),
+    "interleaved": lambda d: dict(rope_style="interleaved"),
+    "neox-half": lambda d: dict(rope_style="neox", rotary_dim=d // 2),
+    "interleaved-half": lambda d: dict(rope_style="interleaved", rotary_dim=d // 2),
+}
 BIASES = (False, True)
 QK_NORMS = (False, True)
 GRID_GQA = (1, 2, 3, 5, 6, 7, 8, 12, 16)
@@ -75,7 +81,7 @@ def qkv_spec(hidden, head_dim, fmt, rope, bias, qk_norm, gqa, kv, name=None):
     return FLINT.replace(
         name=name or f"qkvgrid-h{hidden}-d{head_dim}-{fmt}-{rope}-b{int(bias)}-n{int(qk_norm)}-g{gqa}-kv{kv}",
         hidden_size=hidden, head_dim=head_dim, weight_format=fmt, qkv_bias=bias, qk_norm=qk_norm,
-        num_q_heads=gqa * kv, num_kv_heads=kv, **ROPES[rope])
+        num_q_heads=gqa * kv, num_kv_heads=kv, **ROPES[rope](head_dim))
 
 
 def grid_specs():

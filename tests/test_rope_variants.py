@@ -500,15 +500,26 @@ def test_rope_table_errors_new():
     assert torch.equal(rope_table(FLINT, 16, layer_type="sliding"), rope_table(FLINT, 16))
 
 
-def test_qkv_kernel_refuses_partial_and_interleaved_for_now():
-    """Until the kernel side lands: no silent NeoX whole-head RoPE for these specs."""
+def test_qkv_kernel_builds_partial_and_interleaved():
+    """Partial rotary and interleaved pairs are variants of their own (the
+    epilogue's lane mapping, flintgen.configs.qkv_config.EpilogueLanes); a
+    rotary_dim the mapping cannot split is refused, naming it and the fix."""
     from flintgen.kernels import KERNELS
     from flintgen.kernels.base import Target
 
     k, t = KERNELS["qkv"], Target("sm_90a", 132)
-    for bad in (FLINT.replace(rotary_dim=64), FLINT.replace(rope_style="interleaved")):
-        with pytest.raises(ValueError, match=r"kernel qkv supports rope_style 'neox' over the whole head"):
-            k.variants(bad, t)
+    (base,) = k.variants(FLINT, t)
+    assert (base["rope_dim"], base["interleaved"]) == (128, False)
+    seen = {base}
+    for spec, want in ((FLINT.replace(rotary_dim=64), (64, False)), (FLINT.replace(rope_style="interleaved"), (128, True)),
+                       (FLINT.replace(rotary_dim=64, rope_style="interleaved"), (64, True)),
+                       (FLINT.replace(rotary_dim=96), (96, False))):
+        (v,) = k.variants(spec, t)
+        assert (v["rope_dim"], v["interleaved"]) == want and v not in seen
+        seen.add(v)
+    with pytest.raises(ValueError, match=r"kernel qkv \(spec 'flint'\): qkv: rotary_dim = 2 is not supported with "
+                                         r"head_dim 128: .*use a rotary_dim that is, or the unfused path"):
+        k.variants(FLINT.replace(rotary_dim=2), t)
     assert k.variants(FLINT.replace(sliding_rope_theta=1e4), t) == k.variants(FLINT, t)
 
 
@@ -524,12 +535,15 @@ def test_norm_weight_offset_field():
     assert g.to_dict()["norm_weight_offset"] == 1 and g.spec_hash != FLINT.spec_hash
 
 
-def test_kernels_refuse_norm_weight_offset_for_now():
-    """Until the kernels add it: no silent scaling by w instead of (1 + w)."""
+def test_norm_weight_offset_is_a_variant():
+    """norm_weight_offset 1 selects binaries of their own (rms_norm and the
+    QKV GEMV's q/k norm add the offset in fp32)."""
     from flintgen.kernels import KERNELS
     from flintgen.kernels.base import Target
 
     g, t = FLINT.replace(norm_weight_offset=1), Target("sm_90a", 132)
-    for name in ("qkv",):   # rms_norm computes (1 + w): tests/test_rms_norm.py
-        with pytest.raises(ValueError, match=rf"kernel {name}: norm_weight_offset = 1 .*not in"):
-            KERNELS[name].variants(g, t)
+    (v,) = KERNELS["qkv"].variants(g, t)
+    assert v["norm_offset"] == 1 and v != KERNELS["qkv"].variants(FLINT, t)[0]
+    # without q/k norm the offset changes nothing in the QKV GEMV: the same binary
+    nn = FLINT.replace(qk_norm=False)
+    assert KERNELS["qkv"].variants(nn.replace(norm_weight_offset=1), t) == KERNELS["qkv"].variants(nn, t)

@@ -4,12 +4,19 @@ Provenance: written for flintgen's fused QKV GEMV.
 
 Rank 0 holds the head's bf16 rows ``head_rows[token][d]`` ([8, D] in shared
 memory, gathered from the cluster through DSMEM). Warp ``w`` finishes tokens
-``w, w + warps, ...`` (< M); lane ``l`` owns the ``E = D / 64`` elements
-``[E l, E l + E)`` and their NeoX partners ``+ D/2``::
+``w, w + warps, ...`` (< M); the lanes split the head as ``Lanes`` (the
+rendered ``flintgen.configs.qkv_config.EpilogueLanes``) says: lane l owns P
+rotary pairs (NeoX: elements [P l, P l + P) and their partners + R/2;
+interleaved: [2P l, 2P l + 2P)) and S pass-through elements [R + S l, ..)::
 
     q head: q[n, h D + d]             = rope(rms_norm(row, q_norm_weight))   (as configured)
     k head: k_cache[slot(n)][kv, d]   = rope(rms_norm(row, k_norm_weight))
     v head: v_cache[slot(n)][kv, d]   = row                                  (bits copied)
+
+The norm is over all D dims; RoPE rotates dims [0, R) (flintgen.device.rope)
+and dims [R, D) pass through (normalized). Lanes past a part's active lanes
+(e.g. D = 96: 48 pairs on 24 lanes of 2) address the last active lane's
+elements, add nothing to the sum of squares and store nothing.
 
 ``slot(n)`` is ``slot_mapping[n]`` for ``n < len(slot_mapping)``, else -1; a
 negative slot writes nothing. Cache views are ``[blocks, block_size, kv_heads,
@@ -19,6 +26,8 @@ words they are computed in.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -31,13 +40,71 @@ from flintgen.layout import kv_dtype
 KV_EB = kv_dtype("bf16").elem_bytes  # bytes per cache element: the rows below are bf16 words
 
 
+class Lanes(NamedTuple):
+    """The epilogue's lane mapping (compile-time; fields as
+    flintgen.configs.qkv_config.EpilogueLanes, rendered by the template):
+    head_dim D, rope_dim R (D without RoPE), interleaved pairing, P = pair_e
+    pairs on pair_lanes lanes, S = pass_e pass-through elements on pass_lanes
+    lanes (S = 0: none), v heads v_e elements per half on v_lanes lanes."""
+
+    head_dim: int
+    rope_dim: int
+    interleaved: bool
+    pair_e: int
+    pair_lanes: int
+    pass_e: int
+    pass_lanes: int
+    v_e: int
+    v_lanes: int
+
+
+def _clamp(lane, active: int):
+    """``lane``, or the last active lane for lanes past ``active`` (< 32)."""
+    if active >= 32:
+        return lane
+    return cutlass.min(lane, Int32(active - 1))
+
+
+def pair_start(lane, lanes: Lanes):
+    """First element of the lane's rotary run: P l (NeoX; its partners start at
+    R/2 + P l) or 2P l (interleaved); clamped to the last active lane."""
+    p = lanes.pair_e
+    return _clamp(lane, lanes.pair_lanes) * (2 * p if lanes.interleaved else p)
+
+
+def pass_start(lane, lanes: Lanes):
+    """First element of the lane's pass-through run: R + S l (clamped)."""
+    return lanes.rope_dim + _clamp(lane, lanes.pass_lanes) * lanes.pass_e
+
+
+def load_norm_weights(norm_w, lane, lanes: Lanes, offset: int):
+    """The q/k norm factors of the lane's elements, fp32: ``(w[a] [P], w[b] [P],
+    w[pass] [S])`` for pair elements a, b (see ``pair_start``) and the
+    pass-through run; ``norm_w`` the bf16 weight's global address. Each is
+    ``w`` or, for ``offset`` 1 (Gemma), ``w + 1`` in fp32 (rope.norm_weight)."""
+    p, s, r = lanes.pair_e, lanes.pass_e, lanes.rope_dim
+    d = pair_start(lane, lanes)
+    if lanes.interleaved:
+        w1, w2 = rope.deinterleave(ldst.ldg_nc_bf16_run(norm_w + Int64(d) * 2, 2 * p))
+    else:
+        w1 = ldst.ldg_nc_bf16_run(norm_w + Int64(d) * 2, p)
+        w2 = ldst.ldg_nc_bf16_run(norm_w + Int64(d + r // 2) * 2, p)
+    wp = []
+    if s:
+        wp = ldst.ldg_nc_bf16_run(norm_w + Int64(pass_start(lane, lanes)) * 2, s)
+    return ([rope.norm_weight(w, offset) for w in w1], [rope.norm_weight(w, offset) for w in w2],
+            [rope.norm_weight(w, offset) for w in wp])
+
+
 def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_slots, *,
-                    head_dim: int, warps: int, token_iters: int):
+                    lanes: Lanes, warps: int, token_iters: int):
     """Per token this warp finishes: ``(slot,)`` or, with RoPE (``cos_sin`` not
-    None), ``(slot, cos[E], sin[E])`` of the lane's elements. Issued right
+    None: fp32 ``[max_pos, R]`` cos | sin), ``(slot, cos[P], sin[P])`` of the
+    lane's pairs (table columns [P l, P l + P) and R/2 + those). Issued right
     after the grid-dependency wait so they land during the GEMV; loads happen
     only in rank 0 and for tokens < M (predicated, no branches)."""
-    e = head_dim // 64
+    e, r = lanes.pair_e, lanes.rope_dim
+    lp = _clamp(lane, lanes.pair_lanes)
     is_rank0 = Int32(rank == 0)
     out = []
     for it in range(token_iters):
@@ -49,8 +116,8 @@ def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_s
             continue
         live = is_rank0 * Int32(n < m)
         pos = ldst.ldg_i64_pred(positions.iterator.toint() + Int64(n) * 8, live, Int64(0))
-        cs = cos_sin.iterator.toint() + (pos * head_dim + Int64(lane * e)) * 4
-        out.append((slot, ldst.ldg_f32_run(cs, e, live), ldst.ldg_f32_run(cs + head_dim // 2 * 4, e, live)))
+        cs = cos_sin.iterator.toint() + (pos * r + Int64(lp * e)) * 4
+        out.append((slot, ldst.ldg_f32_run(cs, e, live), ldst.ldg_f32_run(cs + r // 2 * 4, e, live)))
     return out
 
 
@@ -69,6 +136,36 @@ def cache_addr(cache: cute.Tensor, slot: Int64, kv_head: Int32, d: Int32, block_
 
 
 @cute.jit
+def _store_pairs(dst, o1, o2, lanes: cutlass.Constexpr):
+    """The lane's rotary run(s) at ``dst`` (element ``pair_start``): NeoX two
+    runs of P (+ R/2 for the second), interleaved one run of 2P."""
+    if cutlass.const_expr(lanes.interleaved):
+        ldst.stg_words_run(dst, o1, 2 * lanes.pair_e)
+    else:
+        ldst.stg_words_run(dst, o1, lanes.pair_e)
+        ldst.stg_words_run(dst + lanes.rope_dim // 2 * 2, o2, lanes.pair_e)
+
+
+@cute.jit
+def _store_head(dst, o1, o2, op, lane, d, dp, lanes: cutlass.Constexpr):
+    """Store the lane's bf16 words of one head row, ``dst`` = address of its
+    element ``d`` (``pair_start``); ``dp`` = ``pass_start``. Inactive lanes
+    store nothing."""
+    if cutlass.const_expr(lanes.pair_lanes == 32):
+        _store_pairs(dst, o1, o2, lanes)
+    else:
+        if lane < lanes.pair_lanes:
+            _store_pairs(dst, o1, o2, lanes)
+    if cutlass.const_expr(lanes.pass_e > 0):
+        dst_p = dst + Int64(dp - d) * 2
+        if cutlass.const_expr(lanes.pass_lanes == 32):
+            ldst.stg_words_run(dst_p, op, lanes.pass_e)
+        else:
+            if lane < lanes.pass_lanes:
+                ldst.stg_words_run(dst_p, op, lanes.pass_e)
+
+
+@cute.jit
 def finish_qk(
     head_rows,
     norm_w,
@@ -84,50 +181,78 @@ def finish_qk(
     stride_block: Int64,
     stride_token: Int64,
     stride_head: Int64,
-    head_dim: cutlass.Constexpr[int],
     q_heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     token_iters: cutlass.Constexpr[int],
     has_qk_norm: cutlass.Constexpr[bool],
     has_rope: cutlass.Constexpr[bool],
+    lanes: cutlass.Constexpr,
 ):
-    """q or k head: optional per-head RMSNorm (``norm_w`` = the lane's
-    (first-half, second-half) weights as fp32), optional RoPE (cos / sin in
+    """q or k head: optional per-head RMSNorm over all D dims (``norm_w`` =
+    ``load_norm_weights``), optional RoPE of the rotary pairs (cos / sin in
     ``tok``), one bf16 rounding; q to ``q``, k to its cache slot."""
-    e = head_dim // 64
-    half = head_dim // 2
-    d = lane * e
+    head_dim = lanes.head_dim
+    e = lanes.pair_e
+    half = lanes.rope_dim // 2
+    d = pair_start(lane, lanes)
+    dp = None
+    if cutlass.const_expr(lanes.pass_e > 0):
+        dp = pass_start(lane, lanes)
     for it in cutlass.range_constexpr(token_iters):
         n = warp + it * warps
         if n < m:
             row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
-            x1 = ldst.lds_bf16_run(row + d * 2, e)
-            x2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
+            if cutlass.const_expr(lanes.interleaved):
+                x1, x2 = rope.deinterleave(ldst.lds_bf16_run(row + d * 2, 2 * e))
+            else:
+                x1 = ldst.lds_bf16_run(row + d * 2, e)
+                x2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
+            xp = []
+            if cutlass.const_expr(lanes.pass_e > 0):
+                xp = ldst.lds_bf16_run(row + dp * 2, lanes.pass_e)
             if cutlass.const_expr(has_qk_norm):
                 ss = Float32(0.0)
                 for i in cutlass.range_constexpr(e):
                     ss = ss + x1[i] * x1[i] + x2[i] * x2[i]
+                if cutlass.const_expr(lanes.pair_lanes < 32):
+                    if lane >= lanes.pair_lanes:
+                        ss = Float32(0.0)
+                if cutlass.const_expr(lanes.pass_e > 0):
+                    sp = Float32(0.0)
+                    for i in cutlass.range_constexpr(lanes.pass_e):
+                        sp = sp + xp[i] * xp[i]
+                    if cutlass.const_expr(lanes.pass_lanes < 32):
+                        if lane >= lanes.pass_lanes:
+                            sp = Float32(0.0)
+                    ss = ss + sp
                 rstd = rope.rms_scale(warp_sum(ss), 1.0 / head_dim, qk_eps)
                 for i in cutlass.range_constexpr(e):
                     x1[i] = x1[i] * rstd * norm_w[0][i]
                     x2[i] = x2[i] * rstd * norm_w[1][i]
+                for i in cutlass.range_constexpr(lanes.pass_e):
+                    xp[i] = xp[i] * rstd * norm_w[2][i]
             if cutlass.const_expr(has_rope):
                 c = tok[it][1]
                 s = tok[it][2]
                 for i in cutlass.range_constexpr(e):
                     x1[i], x2[i] = rope.rope_neox(x1[i], x2[i], c[i], s[i])
-            o1 = ldst.pack_bf16_run(x1)
-            o2 = ldst.pack_bf16_run(x2)
+            o2 = None
+            if cutlass.const_expr(lanes.interleaved):
+                o1 = ldst.pack_bf16_run(rope.interleave(x1, x2))
+            else:
+                o1 = ldst.pack_bf16_run(x1)
+                o2 = ldst.pack_bf16_run(x2)
+            op = None
+            if cutlass.const_expr(lanes.pass_e > 0):
+                op = ldst.pack_bf16_run(xp)
             if head < q_heads:
                 dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * 2
-                ldst.stg_words_run(dst, o1, e)
-                ldst.stg_words_run(dst + half * 2, o2, e)
+                _store_head(dst, o1, o2, op, lane, d, dp, lanes)
             else:
                 dst = cache_addr(k_cache, tok[it][0], head - q_heads, d, block_size, stride_block,
                                  stride_token, stride_head)
                 if dst != Int64(0):
-                    ldst.stg_words_run(dst, o1, e)
-                    ldst.stg_words_run(dst + half * 2, o2, e)
+                    _store_head(dst, o1, o2, op, lane, d, dp, lanes)
 
 
 @cute.jit
@@ -143,14 +268,16 @@ def finish_v(
     stride_block: Int64,
     stride_token: Int64,
     stride_head: Int64,
-    head_dim: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     token_iters: cutlass.Constexpr[int],
+    lanes: cutlass.Constexpr,
 ):
-    """v head: the rows' bits go to the cache slot unchanged."""
-    e = head_dim // 64
+    """v head: the rows' bits go to the cache slot unchanged; lane l < v_lanes
+    copies [E l, E l + E) and [D/2 + E l, ..) (E = v_e)."""
+    head_dim = lanes.head_dim
+    e = lanes.v_e
     half = head_dim // 2
-    d = lane * e
+    d = _clamp(lane, lanes.v_lanes) * e
     for it in cutlass.range_constexpr(token_iters):
         n = warp + it * warps
         if n < m:
@@ -159,6 +286,9 @@ def finish_v(
             w2 = ldst.lds_words_run(row + (d + half) * 2, e)
             dst = cache_addr(v_cache, tok[it][0], kv_head, d, block_size, stride_block, stride_token,
                              stride_head)
+            if cutlass.const_expr(lanes.v_lanes < 32):
+                if lane >= lanes.v_lanes:
+                    dst = Int64(0)
             if dst != Int64(0):
                 ldst.stg_words_run(dst, w1, e)
                 ldst.stg_words_run(dst + half * 2, w2, e)

@@ -64,6 +64,13 @@ def ldg_nc_u32x2(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ldg_nc_u32x4(addr, *, loc=None, ip=None):
+    return _asm(
+        [Uint32] * 4, [(Int64, addr)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def ldg_f32x2_pred(addr, pred, *, loc=None, ip=None):
     return _ldg_or_zero(Float32, 2, "ld.global.v2.f32", addr, pred, loc, ip)
 
@@ -160,39 +167,52 @@ def ldg_nc_u16(addr, *, loc=None, ip=None):
 
 
 # ---------------------------------------------------------------- E-wide bf16 / fp32 runs
-# A lane of the per-head epilogue owns E = head_dim / 64 consecutive elements
-# (1, 2 or 4): these pick the one access that moves them. Trace-time dispatch.
-def lds_bf16_run(addr, e: int):
-    """``e`` consecutive bf16 at shared ``addr`` as Float32 values."""
-    if e == 1:
-        return [ptx.bf16_lo(lds_u16(addr))]
-    words = [lds_u32(addr)] if e == 2 else list(lds_u32x2(addr))
+# A lane of the per-head epilogue owns runs of E consecutive elements (bf16: 1,
+# 2, 4 or 8; fp32: 1, 2 or 4; flintgen.configs.qkv_config.EpilogueLanes):
+# these pick the one access that moves them. Trace-time dispatch.
+def _bf16_words(e: int) -> None:
+    if e not in (1, 2, 4, 8):
+        raise ValueError(f"a bf16 run of {e} elements: 1, 2, 4 or 8 are supported")
+
+
+def _unpack(words):
     out = []
     for w in words:
         out += [ptx.bf16_lo(w), ptx.bf16_hi(w)]
     return out
 
 
+def lds_bf16_run(addr, e: int):
+    """``e`` consecutive bf16 at shared ``addr`` as Float32 values."""
+    if e == 1:
+        return [ptx.bf16_lo(lds_u16(addr))]
+    return _unpack(lds_words_run(addr, e))
+
+
 def lds_words_run(addr, e: int):
     """The raw bits of ``e`` consecutive bf16 at shared ``addr`` (for copies)."""
+    _bf16_words(e)
     if e == 1:
         return [lds_u16(addr)]
+    if e == 8:
+        return list(ptx.lds_u32x4(addr))
     return [lds_u32(addr)] if e == 2 else list(lds_u32x2(addr))
 
 
 def ldg_nc_bf16_run(addr, e: int):
     """``e`` consecutive read-only bf16 (model weights) as Float32 values."""
+    _bf16_words(e)
     if e == 1:
         return [ptx.bf16_lo(ldg_nc_u16(addr))]
-    words = [ldg_nc_u32(addr)] if e == 2 else list(ldg_nc_u32x2(addr))
-    out = []
-    for w in words:
-        out += [ptx.bf16_lo(w), ptx.bf16_hi(w)]
-    return out
+    if e == 8:
+        return _unpack(list(ldg_nc_u32x4(addr)))
+    return _unpack([ldg_nc_u32(addr)] if e == 2 else list(ldg_nc_u32x2(addr)))
 
 
 def ldg_f32_run(addr, e: int, pred):
     """``e`` consecutive fp32 (zeros where ``pred`` is 0)."""
+    if e not in (1, 2, 4):
+        raise ValueError(f"an fp32 run of {e} elements: 1, 2 or 4 are supported")
     if e == 1:
         return [ldg_f32_pred(addr, pred)]
     return list(ldg_f32x2_pred(addr, pred)) if e == 2 else list(ldg_f32x4_pred(addr, pred))
@@ -208,9 +228,12 @@ def pack_bf16_run(vals):
 
 def stg_words_run(addr, words, e: int):
     """Store the words of ``e`` consecutive bf16 to global ``addr``."""
+    _bf16_words(e)
     if e == 1:
         ptx.stg_b16(addr, words[0])
     elif e == 2:
         ptx.stg_u32(addr, words[0])
-    else:
+    elif e == 4:
         ptx.stg_u32x2(addr, words[0], words[1])
+    else:
+        ptx.stg_u32x4(addr, words[0], words[1], words[2], words[3])

@@ -1,5 +1,6 @@
 """Host side of the fused QKV step: (fused_add_)rms_norm, then the QKV GEMV
-with per-head q/k RMSNorm, NeoX RoPE and the paged KV-cache write.
+with per-head q/k RMSNorm, RoPE (NeoX or interleaved pairs, whole head or
+partial rotary) and the paged KV-cache write.
 
     q, residual_out = op(x, residual, norm_weight, weight, weight_scale, global_scale,
                          q_norm_weight, k_norm_weight, cos_sin_cache, positions,
@@ -14,8 +15,11 @@ Shapes (per tensor-parallel rank; D = head_dim, N = (q_heads + 2 kv_heads) D):
     weight_scale     NVFP4 only: e4m3 (or its uint8 view) [roundup(N,128), roundup(hidden/16,4)],
                      128x4-swizzled (see flintgen.device.nvfp4 / flintgen.quant)
     global_scale     NVFP4 only: fp32, one element (ModelOpt weight_scale_2; multiplies)
-    q/k_norm_weight  [D] bf16 (spec.qk_norm), else None
-    cos_sin_cache    [max_pos, D] fp32, cos | sin (spec.rope_style 'neox'), else None
+    q/k_norm_weight  [D] bf16 (spec.qk_norm), else None; the norm scales by w, or by
+                     (1 + w) in fp32 for spec.norm_weight_offset = 1 (Gemma)
+    cos_sin_cache    [max_pos, R] fp32, cos | sin (flintgen.rope_table; R = spec.rope_dim, the
+                     rotary dims: the first R of each head rotate, NeoX pairs (i, i + R/2) or
+                     interleaved (2i, 2i + 1) per spec.rope_style; the rest pass through), else None
     positions        [M] int64, each < max_pos (checked under FLINTGEN_CHECK_INPUTS=1)
     k_cache, v_cache [blocks, block_size, kv_heads, D] bf16 views with equal strides,
                      last stride 1 (e.g. flint's HND cache[..., :D].transpose(1, 2))
@@ -30,13 +34,14 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from flintgen import layout
-from flintgen.configs.qkv_config import HIDDEN_RANGE, MAX_M, QKVConfig, QKVSmem
+from flintgen.configs.qkv_config import HIDDEN_RANGE, MAX_M, EpilogueLanes, QKVConfig, QKVSmem
 from flintgen.kernels import checks
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
 from flintgen.spec import MAX_TOKENS_LIMIT, Spec
 
 _PARAM_KEYS = ("hidden", "q_heads", "kv_heads", "head_dim", "weight_format", "bias", "rope",
-               "qk_norm", "debug", "rows", "cluster", "warps", "prefetch", "early_dequant")
+               "rope_dim", "interleaved", "qk_norm", "norm_offset", "debug", "rows", "cluster", "warps",
+               "prefetch", "early_dequant")
 
 
 def _roundup(x: int, m: int) -> int:
@@ -46,8 +51,8 @@ def _roundup(x: int, m: int) -> int:
 class QKVDef(KernelDef):
     name = "qkv"
     template = "qkv_gemv.py.j2"
-    description = ("fused QKV GEMV (bf16 / NVFP4, M <= 8) with q/k RMSNorm, NeoX RoPE and the "
-                   "paged KV-cache write; clusters per head, DSMEM, PDL")
+    description = ("fused QKV GEMV (bf16 / NVFP4, M <= 8) with q/k RMSNorm, RoPE (NeoX / interleaved, "
+                   "partial rotary) and the paged KV-cache write; clusters per head, DSMEM, PDL")
     # What the design needs in every variant's PTX (tests/test_compile.py).
     required_ptx = (
         "griddepcontrol.launch_dependents", "griddepcontrol.wait",
@@ -67,11 +72,16 @@ class QKVDef(KernelDef):
         # The shared-memory plan of this launch (whole xn rows, or K-chunks where they
         # do not fit a CTA); raises if not even chunks fit.
         QKVSmem.plan(spec.hidden_size, spec.head_dim, cfg.rows, cfg.warps)
+        if cfg.rows * cfg.cluster != spec.head_dim:
+            raise ValueError(f"qkv config rows {cfg.rows} x cluster {cfg.cluster} must cover head_dim = "
+                             f"{spec.head_dim} (one cluster per head): use cluster = {spec.head_dim // cfg.rows}")
         return Variant.of(
             self.name, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
             kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim,
             weight_format=spec.weight_format, bias=spec.qkv_bias,
-            rope=spec.rope_style != "none", qk_norm=spec.qk_norm, debug=debug,
+            rope=spec.rope_style != "none", rope_dim=spec.rope_dim,
+            interleaved=spec.rope_style == "interleaved", qk_norm=spec.qk_norm,
+            norm_offset=spec.norm_weight_offset if spec.qk_norm else 0, debug=debug,
             rows=cfg.rows, cluster=cfg.cluster, warps=cfg.warps, prefetch=cfg.prefetch,
             early_dequant=cfg.early_dequant if spec.weight_format == "nvfp4" else 0,
         )
@@ -82,16 +92,20 @@ class QKVDef(KernelDef):
 
     def check_limits(self, spec: Spec) -> None:
         super().check_limits(spec)
-        # The epilogue rotates whole heads with NeoX pairs; partial rotary and interleaved
-        # pairing (flintgen.references.qkv has both) are not in the kernel yet: refuse them
-        # rather than compute NeoX. Per-layer-type RoPE needs nothing here (one table per layer).
-        if spec.rope_style == "interleaved" or spec.rope_dim != spec.head_dim:
-            raise ValueError(f"kernel qkv supports rope_style 'neox' over the whole head (rotary_dim = head_dim "
-                             f"= {spec.head_dim}), got rope_style {spec.rope_style!r}, rotary_dim {spec.rope_dim} "
-                             f"(spec {spec.name!r}): partial / interleaved RoPE is not in the kernel yet")
-        if spec.norm_weight_offset:
-            raise ValueError(f"kernel qkv: norm_weight_offset = {spec.norm_weight_offset} (spec {spec.name!r}) is "
-                             "not in the q / k norm yet: the kernel would scale by w, not (1 + w)")
+        # NeoX and interleaved pairing, whole head or partial rotary, norm_weight_offset 0 / 1
+        # are all in the epilogue; the lane mapping refuses the rotary_dims it cannot split
+        # (ValueError naming them). Per-layer-type RoPE needs nothing here (one table per layer).
+        self.lanes(spec)
+
+    @staticmethod
+    def lanes(spec: Spec) -> EpilogueLanes:
+        """The per-head epilogue's lane mapping of ``spec`` (rank 0 of a head's cluster)."""
+        rope = spec.rope_style != "none"
+        try:
+            return EpilogueLanes.of(spec.head_dim, spec.rope_dim if rope else spec.head_dim,
+                                    spec.rope_style == "interleaved")
+        except ValueError as e:
+            raise ValueError(f"kernel qkv (spec {spec.name!r}): {e}") from None
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
         self.check_limits(spec)
@@ -106,13 +120,17 @@ class QKVDef(KernelDef):
         n_rows = (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"]
         kv = layout.kv_dtype("bf16")  # the epilogue writes the bf16 rows it computes (head_epilogue)
         sm = QKVSmem.plan(p["hidden"], p["head_dim"], p["rows"], p["warps"])
+        lanes = EpilogueLanes.of(p["head_dim"], p["rope_dim"] if p["rope"] else p["head_dim"], p["interleaved"])
         return {
             "max_m": MAX_M, "xn_chunks": sm.chunks, "chunk_steps": sm.chunk_steps,
             "chunk_row_bytes": sm.chunk_row_bytes, "xs_stride": sm.xs_stride, "red_stride": sm.red_stride,
             "hidden": p["hidden"], "q_heads": p["q_heads"], "kv_heads": p["kv_heads"],
             "head_dim": p["head_dim"], "n_rows": n_rows, "weight_format": p["weight_format"],
             "is_nvfp4": p["weight_format"] == "nvfp4", "has_bias": p["bias"], "has_rope": p["rope"],
-            "has_qk_norm": p["qk_norm"], "debug": p["debug"], "rows": p["rows"],
+            "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
+            "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
+            "pass_e": lanes.pass_e, "pass_lanes": lanes.pass_lanes, "v_e": lanes.v_e, "v_lanes": lanes.v_lanes,
+            "debug": p["debug"], "rows": p["rows"],
             "cluster": p["cluster"], "warps": p["warps"], "prefetch": p["prefetch"],
             "early_dequant": p["early_dequant"],
             "scale_rows": _roundup(n_rows, 128), "scale_cols": _roundup(p["hidden"] // 16, 4),
@@ -154,6 +172,7 @@ class QKVOp:
         self.n_rows = spec.qkv_out_features
         self.is_nvfp4 = spec.weight_format == "nvfp4"
         self.rope = spec.rope_style != "none"
+        self.rope_dim = spec.rope_dim
         self.max_tokens = spec.max_tokens
 
     # ------------------------------------------------------------------ helpers
@@ -248,13 +267,15 @@ class QKVOp:
             absent("q_norm_weight", q_norm_weight, "the spec has qk_norm=False")
             absent("k_norm_weight", k_norm_weight, "the spec has qk_norm=False")
         if self.rope:
+            r = self.rope_dim
+            what = "head_dim" if r == d else "rotary_dim"
             if cos_sin_cache is None:
-                raise ValueError(f"cos_sin_cache [max_pos, {d}] fp32 is required (rope_style="
-                                 f"{self.spec.rope_style!r}): build it with flintgen.quant.rope_table")
+                raise ValueError(f"cos_sin_cache [max_pos, {r}] fp32 is required (rope_style="
+                                 f"{self.spec.rope_style!r}): build it with flintgen.rope_table(spec, max_pos)")
             want("cos_sin_cache", cos_sin_cache, torch.float32, None)
-            if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.shape[0] < 1:
-                raise ValueError(f"cos_sin_cache must have shape [max_pos, {d}] (cos | sin), "
-                                 f"got {tuple(cos_sin_cache.shape)}")
+            if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != r or cos_sin_cache.shape[0] < 1:
+                raise ValueError(f"cos_sin_cache must have shape [max_pos, {r}] (cos | sin, {what} = {r}), "
+                                 f"got {tuple(cos_sin_cache.shape)}: build it with flintgen.rope_table(spec, max_pos)")
         else:
             absent("cos_sin_cache", cos_sin_cache, "the spec has rope_style='none'")
         want("positions", positions, torch.int64, (m,), align=8)

@@ -71,20 +71,27 @@ def _rotate(x, cs, rope_style: str):
 
 
 def qk_norm_rope_ref(pre, head_dim: int, norm_weight=None, eps: float = 1e-6, cos_sin=None,
-                     positions=None, rope_style: str = "neox"):
+                     positions=None, rope_style: str = "neox", norm_weight_offset: int = 0):
     """pre: [M, H * D] bf16 rows of H heads -> fp32 [M, H * D] (norm, rope)
     and the fp32 magnitude |a| + |b| of the two products of each rotated
     output (the floor below which fp32 cannot resolve a cancellation; |x| for
-    the dims that pass through). ``cos_sin`` [max_pos, R] (R <= D, even): the
-    first R dims of each head rotate, paired per ``rope_style``."""
+    the dims that pass through). The norm is over all D dims and scales by
+    ``w + norm_weight_offset`` in fp32 (Gemma's ``1 + w``: 1). ``cos_sin``
+    [max_pos, R] (R <= D, even): the first R dims of each head rotate, paired
+    per ``rope_style``."""
     import torch
 
+    if norm_weight_offset not in (0, 1):
+        raise ValueError(f"norm_weight_offset must be 0 or 1, got {norm_weight_offset!r}")
     m, hd = pre.shape
     d = head_dim
     x = pre.float().view(m, hd // d, d)
     if norm_weight is not None:
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        x = x * rstd * norm_weight.float()
+        w = norm_weight.float()
+        if norm_weight_offset:
+            w = w + float(norm_weight_offset)    # fp32 add, as the kernel (not bf16(1 + w))
+        x = x * rstd * w
     mag = x.abs()
     if cos_sin is not None:
         x, mag = _rotate(x, cos_sin[positions.long()].float(), rope_style)
