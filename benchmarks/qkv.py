@@ -6,6 +6,11 @@ Cases:
 * hidden 4096, 32/8 heads, bf16 weights: the GEMV kernel against its
   weight-read floor (goal >= 85%).
 
+``--shapes`` (issue 15's report, results/qkv_shapes.md): the step and the
+GEMV for hidden 1024 / 3584 / 5120 / 8192 (Qwen3-0.6B 16/8, Qwen2.5-7B 28/4
+with bias, Qwen2.5-14B 40/8 with bias, Llama-3-70B 64/8; head_dim 128, TP 1),
+bf16 and NVFP4 weights, M = 1 and 8.
+
 ``--sweep`` also times alternative launch configurations of both specs
 (``sweep_configs``), each as the GEMV alone and as the whole step
 (results/qkv_sweep.md).
@@ -15,7 +20,7 @@ layers stream from HBM), one copy per captured call. Floors: bytes / the read
 bandwidth measured in the same process. Peer: torch F.linear on bf16 weights
 (cuBLAS) for the GEMV alone.
 
-    python -m benchmarks.qkv [--sweep]
+    python -m benchmarks.qkv [--sweep | --shapes]
 """
 
 from __future__ import annotations
@@ -82,6 +87,33 @@ class Layers:
         return args
 
 
+def torch_step(spec, lay, w):
+    """The step in torch eager ops (what a model runs without flintgen), bf16
+    weights: add + RMSNorm, F.linear, q / k RMSNorm, NeoX RoPE, K / V into the
+    HND cache [blocks, kv, page, 2D] at the slots."""
+    F = torch.nn.functional
+    d, qh, kv = spec.head_dim, spec.q_heads_per_rank, spec.kv_heads_per_rank
+    r = lay.x + lay.res
+    xn = F.rms_norm(r, (r.shape[-1],), lay.norm_w, spec.rms_eps)
+    qkv = F.linear(xn, w, lay.bias)
+    q, k, v = qkv.split([qh * d, kv * d, kv * d], dim=-1)
+    q, k, v = q.view(-1, qh, d), k.view(-1, kv, d), v.view(-1, kv, d)
+    if lay.qn is not None:
+        q, k = F.rms_norm(q, (d,), lay.qn, spec.rms_eps), F.rms_norm(k, (d,), lay.kn, spec.rms_eps)
+    if lay.cs is not None:
+        cos, sin = lay.cs[lay.pos].chunk(2, dim=-1)
+        cos, sin = cos[:, None].repeat(1, 1, 2), sin[:, None].repeat(1, 1, 2)
+
+        def rot(x):
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return (x.float() * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+        q, k = rot(q), rot(k)
+    page = lay.cache.shape[2]
+    lay.cache[lay.slots // page, :, lay.slots % page] = torch.cat((k, v), dim=-1)
+    return q, r
+
+
 def make_weights(spec, copies):
     """``copies`` independent weight sets (quantized on the GPU for NVFP4)."""
     n, h = spec.qkv_out_features, spec.hidden_size
@@ -112,21 +144,37 @@ def gemv_fn(spec, t, cfg=None):
     return load_variant(KDEF, spec, v, t)[0], v
 
 
+def report_specs():
+    """--shapes: (spec, token counts) per hidden size and weight format."""
+    base = flintgen.get_preset("flint").replace(sliding_window=None, layer_types=("full",), sinks=False, tp_size=1)
+    shapes = [("qwen3-0.6b", 1024, 16, 8, False, True), ("qwen2.5-7b", 3584, 28, 4, True, False),
+              ("qwen2.5-14b", 5120, 40, 8, True, False), ("llama-3-70b", 8192, 64, 8, False, False)]
+    return [(base.replace(name=f"{n}-{fmt}", hidden_size=h, num_q_heads=q, num_kv_heads=kv, qkv_bias=bias,
+                          qk_norm=qk, weight_format=fmt), (1, 8))
+            for n, h, q, kv, bias, qk in shapes for fmt in ("bf16", "nvfp4")]
+
+
 def main():
     sweep = "--sweep" in sys.argv
     flint = flintgen.get_preset("flint")
     big = flint.replace(hidden_size=4096, num_kv_heads=8, weight_format="bf16", sliding_window=None,
                         layer_types=("full",), sinks=False, name="h4096-32x8-bf16")
+    plan, name = [(flint, (1, 8)), (big, (1, 8))], "qkv"
+    if "--shapes" in sys.argv:
+        plan, name = report_specs(), "qkv_shapes"
     from flintgen import toolchain
 
     t = toolchain.resolve_target()
     bw = read_bandwidth()
     rows = []
-    for spec, ms in ((flint, (1, 8)), (big, (1, 8))):
+    for spec, ms in plan:
         op = flintgen.get_kernel(spec, "qkv")
         op.warmup(torch.device("cuda"))
         wb = weight_bytes(spec)
         weights = make_weights(spec, copies_for(spec))
+        # The torch path's GEMV: F.linear on bf16 weights of the same shape (torch has no NVFP4 GEMV).
+        wl = [w[0] for w in weights] if spec.weight_format == "bf16" else [
+            w[0] for w in make_weights(spec.replace(weight_format="bf16"), copies_for(spec.replace(weight_format="bf16")))]
         for m in ms:
             lay = Layers(spec, m, weights)
             fn, v = gemv_fn(spec, t)
@@ -144,19 +192,22 @@ def main():
             alone = time_graph(gemv)
             h = spec.hidden_size
             act = m * h * 2 * 4 + m * spec.qkv_out_features * 2
-            peers = {}
-            if spec.weight_format == "bf16":
-                wl = [w[0] for w in lay.w]
-                j = [0]
+            j = [0]
 
-                def torch_linear():
-                    j[0] += 1
-                    return torch.nn.functional.linear(lay.xn, wl[j[0] % len(wl)])
+            def torch_linear():
+                j[0] += 1
+                return torch.nn.functional.linear(lay.xn, wl[j[0] % len(wl)])
 
-                peers["torch F.linear (GEMV only)"] = time_graph(torch_linear)["median_us"]
+            peers = {"torch F.linear bf16 (GEMV only)": time_graph(torch_linear)["median_us"]}
+
+            def torch_path():
+                j[0] += 1
+                return torch_step(spec, lay, wl[j[0] % len(wl)])
+
+            step_peers = {"torch eager step, bf16": time_graph(torch_path)["median_us"]}
             case = {"spec": spec.name, "weights": spec.weight_format, "M": m}
             rows.append(Row(dict(case, what="RMSNorm + QKV step"), whole["median_us"], (wb + act) / bw * 1e6,
-                            {}, {"p10_us": whole["p10_us"], "p90_us": whole["p90_us"], "variant": v.name}))
+                            step_peers, {"p10_us": whole["p10_us"], "p90_us": whole["p90_us"], "variant": v.name}))
             rows.append(Row(dict(case, what="QKV GEMV kernel"), alone["median_us"], wb / bw * 1e6, peers,
                             {"p10_us": alone["p10_us"], "p90_us": alone["p90_us"], "variant": v.name}))
             print(rows[-2].case, f"{rows[-2].flintgen_us:.2f} us", rows[-1].case,
@@ -174,8 +225,9 @@ def main():
                                     (wb + act) / bw * 1e6, {}, {"variant": v2.name}))
                     print("  sweep", tag, f"{r['median_us']:.2f} us ({rows[-2].pct_of_floor:.0f}%), step "
                           f"{r_step['median_us']:.2f} us", flush=True)
-    md = write_results("qkv", rows, bw, "Weights rotate over copies exceeding L2. Floor: weight (+ activation) "
-                       "bytes / read bandwidth.")
+    md = write_results(name, rows, bw, "Weights rotate over copies exceeding L2. Floor: weight (+ activation) "
+                       "bytes / read bandwidth. Peer: torch F.linear with bf16 weights of the same shape (cuBLAS; "
+                       "for NVFP4 rows too: torch has no NVFP4 GEMV), the GEMV alone.")
     print(md)
 
 

@@ -26,19 +26,33 @@ def test_unneeded_variants_are_not_built():
     assert any(dict(v.params)["sliding"] for v in vs) and any(not dict(v.params)["sliding"] for v in vs)
 
 
+# One composed shape per head dim the presets lack: Phi-3-mini's 96 (3-CTA QKV
+# clusters, MHA decode) and Gemma-3-1B's 256 (q / k norm weights as (1 + w),
+# K then V per slice, window and full layers).
+COMPOSED = {
+    "phi3-mini": PRESETS["flint"].replace(name="compose-phi3", hidden_size=3072, num_q_heads=32, num_kv_heads=32,
+                                          head_dim=96, sinks=False, layer_types=("full",), sliding_window=None,
+                                          weight_format="bf16", rope_theta=10000.0, tp_size=1, max_batch=8),
+    "gemma-3-1b": PRESETS["flint"].replace(name="compose-gemma3", hidden_size=1152, num_q_heads=4, num_kv_heads=1,
+                                           head_dim=256, sinks=False, sliding_window=512, norm_weight_offset=1,
+                                           rope_theta=1e6, tp_size=1, max_batch=8),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(PRESETS) + sorted(COMPOSED))
 def test_preset_qkv_then_attention(name):
-    """Every preset's kernels composed on the H200: the QKV step writes the new
-    token's K/V into the HND cache, decode attention (each layer kind the
-    preset has) reads it; compared with the fp64 reference."""
+    """Every preset's kernels (and COMPOSED's head dims) composed on the H200:
+    the QKV step writes the new token's K/V into the HND cache, decode
+    attention (each layer kind the spec has) reads it; compared with the fp64
+    reference."""
     import torch
 
     import flintgen
     from flintgen.references.decode_attention import decode_attention_ref, decode_attention_seed_rounding, rel_error
     from test_qkv import Case
 
-    spec = PRESETS[name]
+    spec = PRESETS[name] if name in PRESETS else COMPOSED[name]
     qkv, attn = flintgen.get_kernel(spec, "qkv"), flintgen.get_kernel(spec, "decode_attention")
     b, d, page, kv, hq = 4, spec.head_dim, spec.page_size, spec.kv_heads_per_rank, spec.q_heads_per_rank
     blocks, width = 48, 12
