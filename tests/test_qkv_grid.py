@@ -32,6 +32,7 @@ from flintgen.kernels.base import Target
 from flintgen.kernels.qkv import QKVDef
 from flintgen.kernels.rms_norm import RMSNormDef
 from flintgen.presets import FLINT
+from test_qkv import check_design_ptx
 
 KDEF = QKVDef()
 NORM = RMSNormDef()
@@ -242,21 +243,15 @@ def built_grid():
 
 
 def _compiled(built, kdef, spec, v):
+    """(resources, PTX) of a grid build: decode_attention_cases.check_compiled's
+    checks (no spills, stack or local memory, sm_90a, the kernel's PTX)."""
+    from decode_attention_cases import check_compiled
+
     built = built[v.name]
     if isinstance(built, Exception):
         raise built
-    entry = cache.make_entry(v, kdef.template, dict(kdef.render_params(spec, v)), T132)
-    assert entry.dir == built
-    res = cache.read_meta(entry)["resources"]
-    assert res["registers"] is not None and res["registers"] <= 255, res
-    assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res
-    assert res["stack_bytes"] == 0 and not res["local_memory"], res
-    with open(entry.path("kernel.ptx")) as f:
-        ptx = f.read()
-    assert ".target sm_90a" in ptx
-    missing = [p for p in kdef.required_ptx if p not in ptx]
-    assert not missing, f"PTX lacks {missing}"
-    return res, ptx
+    assert cache.make_entry(v, kdef.template, dict(kdef.render_params(spec, v)), T132).dir == built
+    return check_compiled(kdef, spec, v, T132)
 
 
 @pytest.mark.compile
@@ -275,13 +270,7 @@ def test_qkv_grid_compiles_clean(built_grid, key):
     # The kernel addresses its buffers at QKVSmem's offsets (the DSL allocates in its order).
     for name, off in sm.offsets.items():
         assert off == 0 or re.search(rf"[+ ]{off}[;\]]", ptx), f"{name} not at offset {off}"
-    fp4 = ("cvt.rn.f16x2.e4m3x2", "mul.rn.bf16x2")
-    assert all(f in ptx for f in fp4) == (spec.weight_format == "nvfp4")
-    # Weights before the grid-dependency wait; no global store and no xn copy before it.
-    wait = ptx.index("griddepcontrol.wait")
-    assert ptx.index("ld.global.L1::no_allocate") < wait
-    assert "st.global" not in ptx[:wait]
-    assert ptx.index("cp.async.bulk.shared::cluster.global") > wait
+    check_design_ptx(ptx, spec)
 
 
 @pytest.mark.compile

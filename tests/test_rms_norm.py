@@ -161,6 +161,19 @@ def _rand(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
 
+def _run_poisoned(norm, x, w, eps, res):
+    """(out, residual_out or None) of one call into NaN-poisoned outputs."""
+    out = torch.full_like(x, float("nan"))
+    res_out = None
+    if res is not None:
+        res_out = torch.full_like(x, float("nan"))
+        norm(x, w, eps, res, out=out, residual_out=res_out)
+    else:
+        norm(x, w, eps, out=out)
+    torch.cuda.synchronize()
+    return out, res_out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 3000])
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -168,14 +181,8 @@ def test_numerics(norm, m, with_residual):
     torch.manual_seed(m * 2 + with_residual)
     x, w = _rand(m, H, scale=3.0), _rand(H, scale=0.5) + 1
     res = _rand(m, H, scale=3.0) if with_residual else None
-    out = torch.full_like(x, float("nan"))
     eps = 1e-6 if m % 2 else 1e-2  # eps is a runtime argument
-    if with_residual:
-        res_out = torch.full_like(x, float("nan"))
-        norm(x, w, eps, res, out=out, residual_out=res_out)
-    else:
-        norm(x, w, eps, out=out)
-    torch.cuda.synchronize()
+    out, res_out = _run_poisoned(norm, x, w, eps, res)
     ref, r = rms_norm_ref(x, w, eps, res)
     _check(out, ref)
     if with_residual:
@@ -207,14 +214,8 @@ def test_norm_weight_offset_numerics(hidden, m, with_residual):
     w[::97] = -1.0
     w = w.cuda()
     res = (torch.randn(m, hidden, generator=gen) * 3).bfloat16().cuda() if with_residual else None
-    out = torch.full_like(x, float("nan"))
     eps = 1e-6
-    if with_residual:
-        res_out = torch.full_like(x, float("nan"))
-        norm(x, w, eps, res, out=out, residual_out=res_out)
-    else:
-        norm(x, w, eps, out=out)
-    torch.cuda.synchronize()
+    out, res_out = _run_poisoned(norm, x, w, eps, res)
     ref, r = rms_norm_ref(x, w, eps, res, offset=1, dtype=torch.float64)
     _check(out, ref)
     if with_residual:
