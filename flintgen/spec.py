@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
-SUPPORTED_KV_DTYPES = ("bf16",)
+SUPPORTED_KV_DTYPES = ("bf16", "fp8_e4m3")   # fp8: e4m3 with one fp32 scale per layer for K and V
 SUPPORTED_KV_LAYOUTS = ("HND",)
 SUPPORTED_WEIGHT_FORMATS = ("bf16", "nvfp4")
 SUPPORTED_ROPE_STYLES = ("neox", "interleaved", "none")
@@ -239,6 +239,10 @@ class Spec:
             _check_bool(f, getattr(self, f))
         _check_choice("head_dim", self.head_dim, SUPPORTED_HEAD_DIMS)
         _check_choice("page_size", self.page_size, SUPPORTED_PAGE_SIZES)
+        if self.kv_cache_dtype in ("fp8_e5m2", "fp8", "int8"):
+            raise _fail("kv_cache_dtype", self.kv_cache_dtype, f"supported values are {list(SUPPORTED_KV_DTYPES)} "
+                        "(e5m2 and int8 caches are not implemented; 'fp8' is ambiguous)",
+                        "Use kv_cache_dtype = 'fp8_e4m3' (vLLM's --kv-cache-dtype fp8 is e4m3 on Hopper) or 'bf16'.")
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, SUPPORTED_KV_DTYPES)
         _check_choice("kv_layout", self.kv_layout, SUPPORTED_KV_LAYOUTS)
         _check_choice("weight_format", self.weight_format, SUPPORTED_WEIGHT_FORMATS)

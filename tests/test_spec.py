@@ -159,3 +159,21 @@ def test_softcap_presence_changes_only_decode_attention():
         assert (a[name] == b[name]) == (name != "decode_attention"), name
         if name == "decode_attention":
             assert not set(a[name]) & set(b[name])
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "int8", "fp8"])
+def test_kv_cache_dtype_other_fp8_refused_by_name(value):
+    with pytest.raises(ValueError, match=rf"'kv_cache_dtype' = '{value}' .*\['bf16', 'fp8_e4m3'\] .*e5m2 and int8 "
+                                         r"caches are not implemented.*Use kv_cache_dtype = 'fp8_e4m3'"):
+        FLINT.replace(kv_cache_dtype=value)
+
+
+def test_fp8_kv_spec_refused_by_kernels_until_they_support_it():
+    from flintgen.kernels import KERNELS
+    from flintgen.kernels.base import Target
+
+    s, t = FLINT.replace(kv_cache_dtype="fp8_e4m3"), Target("sm_90a", 132)
+    with pytest.raises(ValueError, match=r"kernel qkv: kv_cache_dtype 'fp8_e4m3' .*not written by the QKV step yet"):
+        KERNELS["qkv"].variants(s, t)
+    with pytest.raises(NotImplementedError, match=r"decode_attention: kv_cache_dtype = fp8_e4m3 is not supported"):
+        KERNELS["decode_attention"].variants(s, t)

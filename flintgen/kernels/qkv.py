@@ -92,6 +92,9 @@ class QKVDef(KernelDef):
 
     def check_limits(self, spec: Spec) -> None:
         super().check_limits(spec)
+        if spec.kv_cache_dtype != "bf16":
+            raise ValueError(f"kernel qkv: kv_cache_dtype {spec.kv_cache_dtype!r} (spec {spec.name!r}) is not "
+                             "written by the QKV step yet: it writes bf16 K / V rows; use kv_cache_dtype 'bf16'")
         # NeoX and interleaved pairing, whole head or partial rotary, norm_weight_offset 0 / 1
         # are all in the epilogue; the lane mapping refuses the rotary_dims it cannot split
         # (ValueError naming them). Per-layer-type RoPE needs nothing here (one table per layer).
