@@ -1,18 +1,28 @@
 """Map a Hugging Face ``config.json`` to a flintgen ``Spec``.
 
+Model types: ``MODEL_TYPES`` (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+qwen3_moe, gemma2, gemma3_text, phi3, glm4, glm4_moe, gpt_oss) and gemma3 (its
+``text_config``); anything else, MLA models included, is refused by name.
+
 Read from config.json: num_attention_heads, num_key_value_heads (default: MHA),
 head_dim (or hidden_size // num_attention_heads), hidden_size, rms_norm_eps,
-attention_bias, sliding_window with layer_types (or use_sliding_window),
-attn_logit_softcapping (non-null: the spec's ``attn_logit_softcap``; the cap
-itself is decode attention's ``softcap`` argument), and the RoPE (``rope_fields_from_hf_config``): rope_theta, partial_rotary_factor
+the q/k/v bias key of the type (attention_bias, qkv_bias; qwen2 always has
+one), sliding_window with layer_types or the type's rule
+(``ModelType.layers``: use_sliding_window, max_window_layers,
+sliding_window_pattern; a window of at least max_position_embeddings is full
+attention), attn_logit_softcapping (non-null: the spec's
+``attn_logit_softcap``; the cap itself is decode attention's ``softcap``
+argument; final_logit_softcapping is the LM head's, not attention's),
+query_pre_attn_scalar (Gemma: the softmax scale is its ** -0.5), and the RoPE
+(``rope_fields_from_hf_config``): rope_theta, partial_rotary_factor
 and rope_scaling (default, linear, llama3, yarn, longrope), in the older keys
 (rope_scaling / rope_theta / partial_rotary_factor, Gemma 3's
 rope_local_base_freq for its sliding layers) or the transformers-5
 ``rope_parameters``, flat or keyed by layer type ({"full_attention": {...},
 "sliding_attention": {...}}). From the model type (config.json does not say):
-attention sinks and per-head q/k RMSNorm, per ``MODEL_TYPES``; the RoPE
-pairing and default partial rotary factor per ``ROPE_STYLES`` /
-``PARTIAL_ROTARY_DEFAULTS``.
+attention sinks, per-head q/k RMSNorm, Gemma's (1 + w) norm weights
+(``norm_weight_offset``), per ``MODEL_TYPES``; the RoPE pairing and default
+partial rotary factor per ``ROPE_STYLES`` / ``PARTIAL_ROTARY_DEFAULTS``.
 
 Not in config.json, so given here (defaults): page_size 16, kv_layout HND,
 kv_cache_dtype bf16, weight_format bf16, max_batch 256, max_tokens 8, tp_size 1.
@@ -25,18 +35,63 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from flintgen.spec import Spec
 
-# model_type -> (attention sinks, q/k RMSNorm)
+@dataclass(frozen=True)
+class ModelType:
+    """What a model type's modeling code fixes and its config.json does not
+    say (transformers 5's configuration_* / modeling_* of the type).
+
+    ``qk_norm`` / ``bias``: a bool the code fixes, or the config key that
+    switches it (read with ``*_default`` when config.json lacks the key).
+    ``layers``: how layer kinds follow when config.json has no ``layer_types``:
+    "none" (no sliding attention), "all" (every layer slides when
+    ``sliding_window`` is set), "all_if_used" (... and ``use_sliding_window``),
+    "alternate" (layers 0, 2, .. slide), "pattern" (every
+    ``sliding_window_pattern``-th layer is full, default 6), "from_max"
+    (layers >= ``max_window_layers`` slide, with ``use_sliding_window``),
+    "alternate_below_max" (even layers < ``max_window_layers``, with
+    ``use_sliding_window``). ``scale_key``: the config key whose value s sets
+    the softmax scale s ** -0.5 (default ``scale_default``).
+    """
+
+    sinks: bool = False
+    qk_norm: bool | str = False
+    qk_norm_default: bool = False
+    bias: bool | str = "attention_bias"
+    bias_default: bool = False
+    norm_weight_offset: int = 0
+    scale_key: str | None = None
+    scale_default: float | None = None
+    layers: str = "all"
+
+
 MODEL_TYPES = {
-    "gpt_oss": (True, False),
-    "qwen3": (False, True),
-    "qwen3_moe": (False, True),
-    "llama": (False, False),
-    "mistral": (False, False),
-    "qwen2": (False, False),
+    "llama": ModelType(layers="none"),
+    "mistral": ModelType(bias=False),
+    "mixtral": ModelType(bias=False),
+    "qwen2": ModelType(bias=True, layers="from_max"),                   # q/k/v bias always
+    "qwen2_moe": ModelType(bias="qkv_bias", bias_default=True, layers="alternate_below_max"),
+    "qwen3": ModelType(qk_norm=True, layers="from_max"),
+    "qwen3_moe": ModelType(qk_norm=True, layers="all_if_used"),
+    "gemma2": ModelType(norm_weight_offset=1, scale_key="query_pre_attn_scalar", scale_default=256,
+                        layers="alternate"),
+    "gemma3_text": ModelType(qk_norm=True, norm_weight_offset=1, scale_key="query_pre_attn_scalar",
+                             scale_default=256, layers="pattern"),
+    "phi3": ModelType(bias=False),
+    "glm4": ModelType(bias_default=True, layers="none"),
+    "glm4_moe": ModelType(qk_norm="use_qk_norm", layers="none"),
+    "gpt_oss": ModelType(sinks=True, bias_default=True, layers="alternate"),
+}
+# Wrappers whose text model is in ``text_config`` (Gemma 3's multimodal checkpoints).
+TEXT_CONFIG_TYPES = {"gemma3": "gemma3_text"}
+# Attention designs flintgen does not implement, named in the refusal.
+UNSUPPORTED_ATTENTION = {
+    "deepseek_v2": "multi-head latent attention (MLA)", "deepseek_v3": "multi-head latent attention (MLA)",
+    "kimi_k2": "multi-head latent attention (MLA)",
 }
 _ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn", "longrope": "longrope"}
 # The rope_scaling keys each type reads (transformers' modeling_rope_utils), kept in rope_scaling_params.
@@ -174,6 +229,46 @@ def _read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
+def _layer_kinds(cfg: dict[str, Any], mt: ModelType, problems: list[str]) -> tuple[tuple[str, ...], Any]:
+    """(flintgen layer_types, the sliding layers' window or None), as the
+    model type's config class derives them (``ModelType.layers``)."""
+    n = cfg.get("num_hidden_layers")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    window = cfg.get("sliding_window")
+    if cfg.get("layer_types"):
+        bad = sorted({t for t in cfg["layer_types"] if t not in _HF_LAYER_TYPES})
+        if bad:
+            problems.append(f"layer_types: unsupported entries {bad} (supported: {sorted(_HF_LAYER_TYPES)})")
+        kinds = tuple(_HF_LAYER_TYPES.get(t, "full") for t in cfg["layer_types"])
+    else:
+        used = bool(cfg.get("use_sliding_window", False))
+        max_w = cfg.get("max_window_layers", n)
+        sliding = {
+            "none": lambda i: False,
+            "all": lambda i: bool(window),
+            "all_if_used": lambda i: bool(window) and used,
+            "alternate": lambda i: i % 2 == 0,
+            "pattern": lambda i: bool((i + 1) % (cfg.get("sliding_window_pattern") or 6)),
+            "from_max": lambda i: bool(window) and used and i >= max_w,
+            "alternate_below_max": lambda i: bool(window) and used and i % 2 == 0 and i < max_w,
+        }[mt.layers]
+        kinds = tuple("sliding" if sliding(i) else "full" for i in range(n))
+    mpe = cfg.get("max_position_embeddings")
+    if "sliding" in kinds and _is_number(window) and _is_number(mpe) and window >= mpe:
+        # A window of at least the model's whole context never excludes a token (Phi-4-mini: 262144 of
+        # 131072): full attention, the same results without a sliding code path.
+        kinds = tuple("full" for _ in kinds)
+    if "sliding" in kinds and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        problems.append(f"sliding_window: {window!r} is not a positive int, but layers {kinds.index('sliding')}.. "
+                        "slide")
+    return kinds, (window if "sliding" in kinds else None)
+
+
+def _switch(cfg: dict[str, Any], value: bool | str, default: bool) -> bool:
+    return value if isinstance(value, bool) else bool(cfg.get(value, default) if cfg.get(value) is not None
+                                                      else default)
+
+
 def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int = 1, page_size: int = 16,
                         weight_format: str = "bf16", max_batch: int = 256, name: str | None = None) -> Spec:
     """Build the spec of a model from its config.json (a dict or a path)."""
@@ -181,40 +276,41 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
     if not isinstance(cfg, dict):
         where = f"Hugging Face config {os.fspath(cfg)!r}"
         cfg = _read_config(os.fspath(cfg))
+    top_name = cfg.get("_name_or_path")
+    if cfg.get("model_type") in TEXT_CONFIG_TYPES:
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"cannot map {where} to a flintgen spec: model_type {cfg['model_type']!r} keeps its "
+                             f"language model in text_config, which is {text!r}. Pass the full config.json")
+        cfg = dict(text, model_type=text.get("model_type", TEXT_CONFIG_TYPES[cfg["model_type"]]))
     problems: list[str] = []
-    mt = cfg.get("model_type")
-    if mt not in MODEL_TYPES:
-        problems.append(f"model_type {mt!r}: sinks and q/k norm are unknown for it (known: {sorted(MODEL_TYPES)}); "
-                        "write a flintgen spec file instead")
-        sinks, qk_norm = False, False
-    else:
-        sinks, qk_norm = MODEL_TYPES[mt]
+    mt_name = cfg.get("model_type")
+    if mt_name not in MODEL_TYPES:
+        why = (f"its {UNSUPPORTED_ATTENTION[mt_name]} is not implemented" if mt_name in UNSUPPORTED_ATTENTION
+               else "sinks, q/k norm, bias and layer kinds are unknown for it")
+        problems.append(f"model_type {mt_name!r}: {why} (supported: {sorted(MODEL_TYPES) + sorted(TEXT_CONFIG_TYPES)})")
+    mt = MODEL_TYPES.get(mt_name, ModelType())
     for req in ("hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(req), int):
             problems.append(f"{req}: missing or not an int ({cfg.get(req)!r})")
     hidden, nq = cfg.get("hidden_size", 0), cfg.get("num_attention_heads", 1)
     nkv = cfg.get("num_key_value_heads") or nq
     head_dim = cfg.get("head_dim") or (hidden // nq if isinstance(hidden, int) and isinstance(nq, int) and nq else 0)
-
-    layers = cfg.get("num_hidden_layers")
-    window = cfg.get("sliding_window")
-    if cfg.get("layer_types"):
-        table = {"sliding_attention": "sliding", "full_attention": "full"}
-        bad = sorted({t for t in cfg["layer_types"] if t not in table})
-        if bad:
-            problems.append(f"layer_types: unsupported entries {bad} (supported: {sorted(table)})")
-        layer_types = tuple(table.get(t, "full") for t in cfg["layer_types"])
-    elif window and cfg.get("use_sliding_window", True):
-        layer_types = ("sliding",) * (layers or 1)
-    else:
-        layer_types = ("full",) * (layers or 1)
-    if "sliding" not in layer_types:
-        window = None
+    if cfg.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention: true (an encoder, not causal decoding) is not supported")
+    layer_types, window = _layer_kinds(cfg, mt, problems)
     softcap = cfg.get("attn_logit_softcapping")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not math.isfinite(softcap) or softcap <= 0):
         problems.append(f"attn_logit_softcapping: {softcap!r} is not a finite number > 0 (the logit cap) "
                         "or null (no capping)")
+    scale = None
+    if mt.scale_key is not None:
+        s = cfg.get(mt.scale_key, mt.scale_default)
+        if not _is_number(s) or s <= 0:
+            problems.append(f"{mt.scale_key}: {s!r} is not a number > 0 (the softmax scale is its ** -0.5)")
+        elif isinstance(head_dim, int) and head_dim and float(s) != float(head_dim):
+            scale = float(s) ** -0.5
     rope, rope_problems = rope_fields_from_hf_config(cfg, head_dim if isinstance(head_dim, int) else 0, layer_types)
     problems += rope_problems
     if problems:
@@ -222,11 +318,12 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
                          ". Fix the config, or write a flintgen spec file and pass it with --spec")
     try:
         return Spec(
-            name=name or cfg.get("_name_or_path") or mt, hidden_size=hidden, num_q_heads=nq, num_kv_heads=nkv,
-            head_dim=head_dim, page_size=page_size, kv_cache_dtype="bf16", kv_layout="HND",
-            weight_format=weight_format, qkv_bias=bool(cfg.get("attention_bias", False)), sinks=sinks,
+            name=name or top_name or cfg.get("_name_or_path") or mt_name, hidden_size=hidden, num_q_heads=nq,
+            num_kv_heads=nkv, head_dim=head_dim, page_size=page_size, kv_cache_dtype="bf16", kv_layout="HND",
+            weight_format=weight_format, qkv_bias=_switch(cfg, mt.bias, mt.bias_default), sinks=mt.sinks,
             attn_logit_softcap=softcap is not None, sliding_window=window, layer_types=layer_types,
-            qk_norm=qk_norm, **rope,
+            qk_norm=_switch(cfg, mt.qk_norm, mt.qk_norm_default), norm_weight_offset=mt.norm_weight_offset,
+            softmax_scale=scale, **rope,
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_tokens=8, tp_size=tp_size, max_batch=max_batch,
         )
     except (TypeError, ValueError) as e:

@@ -90,7 +90,7 @@ HF_CASES = [
     ("hf_list", "[1, 2]", ["JSON list", "config.json"]),
     ("hf_syntax", "{", ["not valid JSON"]),
     ("hf_deepseek", {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128},
-     ["'deepseek_v3'", "known:"]),
+     ["'deepseek_v3'", "multi-head latent attention (MLA) is not implemented", "supported:"]),
     ("hf_no_type", {"hidden_size": 2048, "num_attention_heads": 16, "rope_theta": 1e4}, ["model_type None"]),
     ("hf_no_hidden", {"model_type": "llama", "num_attention_heads": 32, "rope_theta": 1e4}, ["hidden_size"]),
     ("hf_heads_str", {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": "32",

@@ -225,22 +225,20 @@ def test_longrope_prefill_differs_as_documented():
     assert not torch.allclose(rope_table(spec, 5000)[:, :48].double(), cos, atol=1e-3)
 
 
-def test_phi3_transformers5_form_and_su_alias(monkeypatch):
+def test_phi3_transformers5_form_and_su_alias():
     """The same spec from config.json's older keys (type 'su' too), transformers-5's
     flat rope_parameters (partial_rotary_factor and original length inside), and
-    spec_from_hf_config once phi3 is a known model type."""
-    import flintgen.hf as hf
-
+    spec_from_hf_config (phi3 is a known model type)."""
     a = _spec(PHI4_MINI)
     d5 = json.loads(json.dumps(_hf_config("Phi3Config", PHI4_MINI).to_dict()))
     assert "full_attention" not in d5["rope_parameters"]
     assert _spec(dict(d5, model_type="phi3")) == a
     su = dict(PHI4_MINI, rope_scaling=dict(PHI4_MINI["rope_scaling"], type="su"))
     assert _spec(su) == a
-    monkeypatch.setitem(hf.MODEL_TYPES, "phi3", (False, False))
     s = spec_from_hf_config(PHI4_MINI, name="phi4-mini")
     assert (s.rotary_dim, s.rope_scaling, s.rope_theta) == (96, "longrope", 10000.0)
-    assert s.rope_scaling_params == a.rope_scaling_params and s.layer_types == ("sliding",) * 32
+    # its sliding_window 262144 is past max_position_embeddings 131072: full attention
+    assert s.rope_scaling_params == a.rope_scaling_params and s.layer_types == ("full",) * 32
 
 
 # ------------------------------------------------------------------ Gemma 3: (theta, scaling) per layer type
