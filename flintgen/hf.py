@@ -55,7 +55,9 @@ class ModelType:
     (layers >= ``max_window_layers`` slide, with ``use_sliding_window``),
     "alternate_below_max" (even layers < ``max_window_layers``, with
     ``use_sliding_window``). ``scale_key``: the config key whose value s sets
-    the softmax scale s ** -0.5 (default ``scale_default``).
+    the softmax scale s ** -0.5 (default ``scale_default``). ``defaults``:
+    the config class's values of keys a config.json may leave out (Gemma 3's
+    multimodal checkpoints list only what differs in their text_config).
     """
 
     sinks: bool = False
@@ -67,6 +69,7 @@ class ModelType:
     scale_key: str | None = None
     scale_default: float | None = None
     layers: str = "all"
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 MODEL_TYPES = {
@@ -80,7 +83,12 @@ MODEL_TYPES = {
     "gemma2": ModelType(norm_weight_offset=1, scale_key="query_pre_attn_scalar", scale_default=256,
                         layers="alternate"),
     "gemma3_text": ModelType(qk_norm=True, norm_weight_offset=1, scale_key="query_pre_attn_scalar",
-                             scale_default=256, layers="pattern"),
+                             scale_default=256, layers="pattern", defaults=(
+                                 ("hidden_size", 2304), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+                                 ("head_dim", 256), ("num_hidden_layers", 26), ("rms_norm_eps", 1e-6),
+                                 ("sliding_window", 4096), ("sliding_window_pattern", 6),
+                                 ("max_position_embeddings", 131072), ("rope_theta", 1000000.0),
+                                 ("rope_local_base_freq", 10000.0))),
     "phi3": ModelType(bias=False),
     "glm4": ModelType(bias_default=True, layers="none"),
     "glm4_moe": ModelType(qk_norm="use_qk_norm", layers="none"),
@@ -290,6 +298,7 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
                else "sinks, q/k norm, bias and layer kinds are unknown for it")
         problems.append(f"model_type {mt_name!r}: {why} (supported: {sorted(MODEL_TYPES) + sorted(TEXT_CONFIG_TYPES)})")
     mt = MODEL_TYPES.get(mt_name, ModelType())
+    cfg = {**dict(mt.defaults), **{k: v for k, v in cfg.items() if v is not None or k not in dict(mt.defaults)}}
     for req in ("hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(req), int):
             problems.append(f"{req}: missing or not an int ({cfg.get(req)!r})")
