@@ -12,6 +12,7 @@ interleaved: [2P l, 2P l + 2P)) and S pass-through elements [R + S l, ..)::
     q head: q[n, h D + d]             = rope(rms_norm(row, q_norm_weight))   (as configured)
     k head: k_cache[slot(n)][kv, d]   = rope(rms_norm(row, k_norm_weight))
     v head: v_cache[slot(n)][kv, d]   = row                                  (bits copied)
+    fp8 e4m3 cache: k = e4m3(bf16(k) / k_scale), v = e4m3(row / v_scale)    (kv_quant)
 
 The norm is over all D dims; RoPE rotates dims [0, R) (flintgen.device.rope)
 and dims [R, D) pass through (normalized). Lanes past a part's active lanes

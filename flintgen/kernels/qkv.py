@@ -166,7 +166,8 @@ class QKVDef(KernelDef):
 class QKVOp:
     """The composed QKV step (RMSNorm kernel + GEMV kernel, chained with PDL).
 
-    ``op(...)`` as in the module docstring. Keyword-only outputs for buffer
+    ``op(...)`` as in the module docstring (``k_scale`` / ``v_scale``: an fp8
+    cache's per-layer scales, keyword-only). Keyword-only outputs for buffer
     reuse: ``q_out`` [M, q_heads D], ``xn_out`` (the normalized activations,
     [M, hidden]), ``residual_out`` (may be ``residual``: in-place update);
     ``pre_norm_out`` [M, N] bf16 selects the debug binary, which also writes
@@ -362,7 +363,8 @@ class QKVOp:
             if c.data_ptr() % 16:
                 raise ValueError(f"{name} must start 16-byte aligned")
         if k_cache.dtype != v_cache.dtype:
-            raise TypeError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+            raise TypeError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}: "
+                            "view both as the same one (e.g. .view(torch.uint8))")
         if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.stride() != v_cache.stride():
             raise ValueError(f"k_cache and v_cache must have equal shapes and strides, got "
                              f"{tuple(k_cache.shape)}/{k_cache.stride()} and "
