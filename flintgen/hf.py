@@ -25,7 +25,10 @@ attention sinks, per-head q/k RMSNorm, Gemma's (1 + w) norm weights
 partial rotary factor per ``ROPE_STYLES`` / ``PARTIAL_ROTARY_DEFAULTS``.
 
 Not in config.json, so given here (defaults): page_size 16, kv_layout HND,
-kv_cache_dtype bf16, weight_format bf16, max_batch 256, max_tokens 8, tp_size 1.
+kv_cache_dtype bf16 (or "fp8_e4m3": the serving engine's choice, vLLM's
+--kv-cache-dtype fp8; the k_scale / v_scale come from the checkpoint's
+weights, not config.json), weight_format bf16, max_batch 256, max_tokens 8,
+tp_size 1.
 With tp_size above the kv-head count, kv heads are replicated (one per rank);
 tp_size must then be a multiple of the kv-head count.
 """
@@ -278,8 +281,10 @@ def _switch(cfg: dict[str, Any], value: bool | str, default: bool) -> bool:
 
 
 def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int = 1, page_size: int = 16,
-                        weight_format: str = "bf16", max_batch: int = 256, name: str | None = None) -> Spec:
-    """Build the spec of a model from its config.json (a dict or a path)."""
+                        weight_format: str = "bf16", max_batch: int = 256, name: str | None = None,
+                        kv_cache_dtype: str = "bf16") -> Spec:
+    """Build the spec of a model from its config.json (a dict or a path);
+    ``kv_cache_dtype`` "bf16" or "fp8_e4m3" (Spec.kv_cache_dtype)."""
     where = "config"
     if not isinstance(cfg, dict):
         where = f"Hugging Face config {os.fspath(cfg)!r}"
@@ -328,7 +333,7 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
     try:
         return Spec(
             name=name or top_name or cfg.get("_name_or_path") or mt_name, hidden_size=hidden, num_q_heads=nq,
-            num_kv_heads=nkv, head_dim=head_dim, page_size=page_size, kv_cache_dtype="bf16", kv_layout="HND",
+            num_kv_heads=nkv, head_dim=head_dim, page_size=page_size, kv_cache_dtype=kv_cache_dtype, kv_layout="HND",
             weight_format=weight_format, qkv_bias=_switch(cfg, mt.bias, mt.bias_default), sinks=mt.sinks,
             attn_logit_softcap=softcap is not None, sliding_window=window, layer_types=layer_types,
             qk_norm=_switch(cfg, mt.qk_norm, mt.qk_norm_default), norm_weight_offset=mt.norm_weight_offset,

@@ -54,7 +54,7 @@ class _Knob:
 
 KNOBS = (
     _Knob("FLINTGEN_CACHE_DIR", "Cache root. Default: <checkout>/cache from a source checkout, else the user cache dir."),
-    _Knob("FLINTGEN_CHECK_INPUTS", "1: sync and check device-side contracts (block tables, positions) before each launch."),
+    _Knob("FLINTGEN_CHECK_INPUTS", "1: sync and check device-side contracts (block tables, positions, fp8 k/v scales) before each launch."),
     _Knob("FLINTGEN_NO_JIT", "1: never compile at run time; a cache miss raises MissingKernelError."),
     _Knob("FLINTGEN_ARCH", "Target arch when no GPU is visible (e.g. sm_90a); the CLI's --arch wins."),
     _Knob("FLINTGEN_NUM_SMS", f"SM count when no GPU is visible (1..{MAX_NUM_SMS}, e.g. 132); the CLI's --num-sms wins."),

@@ -101,3 +101,45 @@ def test_presets(runner):
         assert f"hidden {p.hidden_size}" in line and f"q/kv heads {p.num_q_heads}/{p.num_kv_heads}" in line
         assert f"head_dim {p.head_dim}" in line and f"weights {p.weight_format}" in line
         assert f"layers {p.num_layers}" in line and f"window {p.sliding_window or '-'}" in line
+
+
+def _examples(*parts):
+    import os
+
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", *parts)
+
+
+def _shown(r):
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output.rsplit("spec_hash:", 1)[0])
+
+
+def test_kv_cache_dtype_option_with_preset_spec_and_hf_config(runner):
+    fp8 = FLINT.replace(kv_cache_dtype="fp8_e4m3")
+    r = runner.invoke(main, ["show-spec", "--preset", "flint", "--kv-cache-dtype", "fp8_e4m3"])
+    assert _shown(r) == fp8.to_dict() and r.output.rstrip().endswith(fp8.spec_hash)
+    d = _shown(runner.invoke(main, ["show-spec", "--spec", _examples("flint_fp8.toml")]))
+    assert d == fp8.replace(name="flint-fp8").to_dict()
+    d = _shown(runner.invoke(main, ["show-spec", "--spec", _examples("flint_fp8.toml"), "--kv-cache-dtype", "bf16"]))
+    assert d["kv_cache_dtype"] == "bf16"
+    cfg = _examples("hf_configs", "gpt-oss-20b.json")
+    assert _shown(runner.invoke(main, ["show-spec", "--hf-config", cfg]))["kv_cache_dtype"] == "bf16"
+    d = _shown(runner.invoke(main, ["show-spec", "--hf-config", cfg, "--kv-cache-dtype", "fp8_e4m3"]))
+    assert d["kv_cache_dtype"] == "fp8_e4m3" and d["hidden_size"] == 2880
+    r = runner.invoke(main, ["show", "qkv", "--preset", "flint", "--kv-cache-dtype", "fp8_e4m3"])
+    assert r.exit_code == 0 and "KV_FP8 = True" in r.output and "KV_TYPE = cutlass.Float8E4M3FN" in r.output
+    for bad in ("fp8_e5m2", "fp8", "int8"):
+        r = runner.invoke(main, ["show-spec", "--preset", "flint", "--kv-cache-dtype", bad])
+        assert r.exit_code == 2 and f"'{bad}' is not one of 'bf16', 'fp8_e4m3'" in r.stderr, r.output
+
+
+@pytest.mark.compile
+def test_build_fp8_qkv(runner, tmp_path):
+    """`flintgen build --kv-cache-dtype fp8_e4m3` (the spec file and --hf-config) builds the
+    e4m3-writing QKV binaries."""
+    common = ["--arch", "sm_90a", "--num-sms", "132", "--cache-dir", str(tmp_path / "c"), "--kernel", "qkv"]
+    r = runner.invoke(main, ["build", "--spec", _examples("flint_fp8.toml"), *common])
+    assert r.exit_code == 0 and "0 failed" in r.output and "kv_dtypefp8_e4m3" in r.output, r.output
+    r = runner.invoke(main, ["build", "--hf-config", _examples("hf_configs", "gpt-oss-20b.json"),
+                             "--kv-cache-dtype", "fp8_e4m3", *common])
+    assert r.exit_code == 0 and "0 failed" in r.output and "head_dim64" in r.output, r.output

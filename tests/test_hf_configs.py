@@ -159,6 +159,18 @@ def test_refusals(cfg, match):
         spec_from_hf_config(cfg)
 
 
+def test_kv_cache_dtype_is_the_callers():
+    """config.json does not say the serving cache's dtype: bf16 unless asked;
+    fp8_e4m3 passes through, other values are refused by the spec, by name."""
+    path = os.path.join(CFG, "qwen3-8b.json")
+    assert spec_from_hf_config(path).kv_cache_dtype == "bf16"
+    s = spec_from_hf_config(path, kv_cache_dtype="fp8_e4m3")
+    assert s.kv_cache_dtype == "fp8_e4m3" and s.replace(kv_cache_dtype="bf16") == spec_from_hf_config(path)
+    with pytest.raises(ValueError, match=r"maps to a spec flintgen does not support: .*'kv_cache_dtype' = "
+                                         r"'fp8_e5m2'.*Use kv_cache_dtype = 'fp8_e4m3'"):
+        spec_from_hf_config(path, kv_cache_dtype="fp8_e5m2")
+
+
 # ------------------------------------------------------------------ every config builds
 @pytest.mark.parametrize("name", CONFIGS)
 def test_variants_exist(name):

@@ -87,6 +87,11 @@ SPECS = {
     "d96_r24": FLINT.replace(hidden_size=3072, num_q_heads=32, num_kv_heads=8, head_dim=96, rotary_dim=24,
                              weight_format="bf16"),
 }
+# fp8 e4m3 caches (K / V quantized in the epilogue): head dims 64 / 96 / 128 / 256 and
+# every run length of the lane mapping (1, 2, 4, 8 bytes); GPU numerics in tests/test_qkv_fp8.py
+FP8_CASES = ["flint", "oss_nvfp4", "oss_bf16", "d96", "d256", "glm4", "phi4_mini", "gemma3_4b",
+             "d256_interleaved", "d256_r64", "d96_r24"]
+SPECS.update({f"{n}_fp8": SPECS[n].replace(kv_cache_dtype="fp8_e4m3") for n in FP8_CASES})
 # which heads rotate how (the epilogue's code paths beyond flint's whole-head NeoX)
 ROPE_CASES = ["d96", "glm4", "glm4_moe", "phi4_mini", "flint_interleaved", "gemma3_4b", "d256_interleaved",
               "d256_r64", "d96_r24"]
@@ -342,11 +347,12 @@ def test_partial_rotary_wants_a_rotary_dim_table():
 
 
 # ============================================================== compiled variants
-COMPILE_CASES = ["flint", "flint_bf16", "flint_norope", "bf16_4096", "oss_nvfp4", "oss_bf16", "d256"] + ROPE_CASES
+COMPILE_CASES = (["flint", "flint_bf16", "flint_norope", "bf16_4096", "oss_nvfp4", "oss_bf16", "d256"] + ROPE_CASES
+                 + [f"{n}_fp8" for n in FP8_CASES])
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name", COMPILE_CASES + ["flint-debug"])
+@pytest.mark.parametrize("name", COMPILE_CASES + ["flint-debug", "flint_fp8-debug"])
 def test_variant_compiles_clean(name):
     from flintgen.runtime import load_variant
 
@@ -362,13 +368,20 @@ def check_design_ptx(ptx: str, spec) -> None:
     """The QKV GEMV's design in its PTX: NVFP4 dequantization exactly with
     NVFP4 weights; weights requested before the grid-dependency wait (they
     stream while RMSNorm runs); nothing written to global memory and no xn
-    copy before it."""
+    copy before it. fp8 caches: the e4m3 conversion (IEEE division by the
+    scale, saturating cvt) exactly then, the k_scale / v_scale load (the
+    only plain fp32 global load) before the wait."""
     fp4 = ("cvt.rn.f16x2.e4m3x2", "mul.rn.bf16x2")
     assert all(p in ptx for p in fp4) == (spec.weight_format == "nvfp4")
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.index("ld.global.L1::no_allocate") < wait
     assert "st.global" not in ptx[:wait]
     assert ptx.index("cp.async.bulk.shared::cluster.global") > wait
+    fp8 = spec.kv_cache_dtype == "fp8_e4m3"
+    assert all(p in ptx for p in ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32")) == fp8
+    if fp8:
+        assert "rcp." not in ptx                                      # divided, never multiplied by 1 / scale
+        assert ptx.index("ld.global.f32") < wait                      # the scale: a parameter
 
 
 # ============================================================== GPU helpers

@@ -107,7 +107,7 @@ def test_fake_tracing_decode_attention_with_softcap():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     schema = str(torch.ops.flintgen.decode_attention.default._schema)
-    assert schema.endswith("str spec, float? softcap=None) -> ()"), schema
+    assert schema.endswith("str spec, float? softcap=None, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"), schema
     key = flintgen.get_preset("flint").replace(attn_logit_softcap=True).canonical_json()
     bf = torch.bfloat16
 
@@ -211,3 +211,38 @@ def test_qkv_then_decode_attention_ops_compiled_and_graph_replayed():
         g.replay()
         torch.cuda.synchronize()
         check(gq, gr, f"replay {i}")
+
+
+def test_fp8_scales_in_the_schemas_and_fake_tracing_with_fp8_caches():
+    """qkv and decode_attention take k_scale / v_scale (optional, last); their
+    fake implementations trace with uint8 (vLLM) and float8 caches."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    for name in ("qkv", "decode_attention"):
+        schema = str(getattr(torch.ops.flintgen, name).default._schema)
+        assert "str spec" in schema and "Tensor? k_scale=None, Tensor? v_scale=None)" in schema, schema
+    spec = flintgen.get_preset("flint").replace(kv_cache_dtype="fp8_e4m3")
+    key = spec.canonical_json()
+    hq, d, hkv = spec.q_heads_per_rank, spec.head_dim, spec.kv_heads_per_rank
+    bf = torch.bfloat16
+
+    def step(x, res, cache, bt, lens, sinks, pos, slots, out, ks, vs):
+        k, v = cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2)
+        e = torch.empty(0)
+        q, r = torch.ops.flintgen.qkv(x, res, e, e, e, e, e, e, e, pos, k, v, slots, None, 1e-6, 1e-6, key, ks, vs)
+        torch.ops.flintgen.decode_attention(q.view(-1, hq, d), cache, bt, lens, sinks, 128, 0.08, out, key,
+                                            k_scale=ks, v_scale=vs)
+        return out, r
+
+    for dtype in (torch.uint8, torch.float8_e4m3fn):
+        args = (torch.empty(2, 2048, dtype=bf), torch.empty(2, 2048, dtype=bf),
+                torch.empty(8, hkv, 16, 2 * d, dtype=dtype), torch.empty(2, 4, dtype=torch.int32),
+                torch.empty(2, dtype=torch.int32), torch.empty(hq), torch.empty(2, dtype=torch.int64),
+                torch.empty(2, dtype=torch.int64), torch.empty(2, hq, d, dtype=bf), torch.ones(1), torch.ones(1))
+        gm = make_fx(step, tracing_mode="fake")(*args)
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and "flintgen" in str(n.target)]
+        assert [str(n.target) for n in calls] == ["flintgen.qkv.default", "flintgen.decode_attention.default"]
+        for n in calls:
+            scale_args = [a for a in list(n.args) + list(n.kwargs.values()) if isinstance(a, torch.fx.Node)
+                          and a.name in ("ks_1", "vs_1")]
+            assert len(scale_args) == 2, (n.target, n.args, n.kwargs)

@@ -12,6 +12,7 @@ interleaved: [2P l, 2P l + 2P)) and S pass-through elements [R + S l, ..)::
     q head: q[n, h D + d]             = rope(rms_norm(row, q_norm_weight))   (as configured)
     k head: k_cache[slot(n)][kv, d]   = rope(rms_norm(row, k_norm_weight))
     v head: v_cache[slot(n)][kv, d]   = row                                  (bits copied)
+    fp8 e4m3 cache: k = e4m3(bf16(k) / k_scale), v = e4m3(row / v_scale)    (kv_quant)
 
 The norm is over all D dims; RoPE rotates dims [0, R) (flintgen.device.rope)
 and dims [R, D) pass through (normalized). Lanes past a part's active lanes
@@ -20,9 +21,12 @@ elements, add nothing to the sum of squares and store nothing.
 
 ``slot(n)`` is ``slot_mapping[n]`` for ``n < len(slot_mapping)``, else -1; a
 negative slot writes nothing. Cache views are ``[blocks, block_size, kv_heads,
-D]`` with runtime strides (element units, last stride 1) of bf16 elements
-(``KV_EB`` bytes, flintgen/layout.py): k and v rows are stored as the bf16
-words they are computed in.
+D]`` with runtime strides (element units, last stride 1) of ``kv_eb``-byte
+elements (the rendered flintgen.layout KVDtype): bf16 (2 bytes), k and v rows
+stored as the bf16 words they are computed in; fp8 e4m3 (1 byte), each of
+those bf16 values divided by the layer's ``kv_scale`` (k_scale / v_scale)
+and converted (flintgen.device.kv_quant: bit-exact with torch), one E-byte
+store per run of E. q is bf16 either way.
 """
 
 from __future__ import annotations
@@ -33,11 +37,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from flintgen.device import ldst, ptx, rope
+from flintgen.device import kv_quant, ldst, ptx, rope
 from flintgen.device.reduce import warp_sum
-from flintgen.layout import kv_dtype
 
-KV_EB = kv_dtype("bf16").elem_bytes  # bytes per cache element: the rows below are bf16 words
+Q_EB = 2  # bytes per q element (bf16 whatever the cache holds)
 
 
 class Lanes(NamedTuple):
@@ -123,46 +126,72 @@ def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_s
 
 @cute.jit
 def cache_addr(cache: cute.Tensor, slot: Int64, kv_head: Int32, d: Int32, block_size: Int32,
-               stride_block: Int64, stride_token: Int64, stride_head: Int64) -> Int64:
-    """Address of element d of a token's row in a cache view, or 0 when the
-    token has no slot (past slot_mapping, or a negative slot)."""
+               stride_block: Int64, stride_token: Int64, stride_head: Int64,
+               kv_eb: cutlass.Constexpr[int]) -> Int64:
+    """Address of element d of a token's row in a cache view of ``kv_eb``-byte
+    elements, or 0 when the token has no slot (past slot_mapping, or a
+    negative slot)."""
     addr = Int64(0)
     if slot >= Int64(0):
         blk = slot // Int64(block_size)
         off = slot - blk * Int64(block_size)
         addr = cache.iterator.toint() + (
-            blk * stride_block + off * stride_token + Int64(kv_head) * stride_head + Int64(d)) * KV_EB
+            blk * stride_block + off * stride_token + Int64(kv_head) * stride_head + Int64(d)) * kv_eb
     return addr
 
 
 @cute.jit
-def _store_pairs(dst, o1, o2, lanes: cutlass.Constexpr):
-    """The lane's rotary run(s) at ``dst`` (element ``pair_start``): NeoX two
-    runs of P (+ R/2 for the second), interleaved one run of 2P."""
-    if cutlass.const_expr(lanes.interleaved):
-        ldst.stg_words_run(dst, o1, 2 * lanes.pair_e)
+def _store_run(dst, words, e: cutlass.Constexpr[int], eb: cutlass.Constexpr[int]):
+    """``e`` elements at ``dst``: bf16 words (``eb`` 2) or e4m3 bytes (``eb`` 1)."""
+    if cutlass.const_expr(eb == 1):
+        kv_quant.stg_bytes_run(dst, words, e)
     else:
-        ldst.stg_words_run(dst, o1, lanes.pair_e)
-        ldst.stg_words_run(dst + lanes.rope_dim // 2 * 2, o2, lanes.pair_e)
+        ldst.stg_words_run(dst, words, e)
+
+
+def _e4m3_head(o1, o2, op, scale, lanes: Lanes):
+    """The lane's bf16 words of a k row (``finish_qk``) as e4m3 words of
+    value / ``scale`` (``kv_quant.e4m3_run``), same runs."""
+    p, s = lanes.pair_e, lanes.pass_e
+    if lanes.interleaved:
+        k1 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o1, 2 * p), scale)
+        k2 = None
+    else:
+        k1 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o1, p), scale)
+        k2 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o2, p), scale)
+    kp = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(op, s), scale) if s else None
+    return k1, k2, kp
 
 
 @cute.jit
-def _store_head(dst, o1, o2, op, lane, d, dp, lanes: cutlass.Constexpr):
-    """Store the lane's bf16 words of one head row, ``dst`` = address of its
+def _store_pairs(dst, o1, o2, lanes: cutlass.Constexpr, eb: cutlass.Constexpr[int]):
+    """The lane's rotary run(s) at ``dst`` (element ``pair_start``): NeoX two
+    runs of P (+ R/2 for the second), interleaved one run of 2P."""
+    if cutlass.const_expr(lanes.interleaved):
+        _store_run(dst, o1, 2 * lanes.pair_e, eb)
+    else:
+        _store_run(dst, o1, lanes.pair_e, eb)
+        _store_run(dst + lanes.rope_dim // 2 * eb, o2, lanes.pair_e, eb)
+
+
+@cute.jit
+def _store_head(dst, o1, o2, op, lane, d, dp, lanes: cutlass.Constexpr, eb: cutlass.Constexpr[int]):
+    """Store the lane's words of one head row (``eb``-byte elements: bf16
+    words, or e4m3 bytes from ``_e4m3_head``), ``dst`` = address of its
     element ``d`` (``pair_start``); ``dp`` = ``pass_start``. Inactive lanes
     store nothing."""
     if cutlass.const_expr(lanes.pair_lanes == 32):
-        _store_pairs(dst, o1, o2, lanes)
+        _store_pairs(dst, o1, o2, lanes, eb)
     else:
         if lane < lanes.pair_lanes:
-            _store_pairs(dst, o1, o2, lanes)
+            _store_pairs(dst, o1, o2, lanes, eb)
     if cutlass.const_expr(lanes.pass_e > 0):
-        dst_p = dst + Int64(dp - d) * 2
+        dst_p = dst + Int64(dp - d) * eb
         if cutlass.const_expr(lanes.pass_lanes == 32):
-            ldst.stg_words_run(dst_p, op, lanes.pass_e)
+            _store_run(dst_p, op, lanes.pass_e, eb)
         else:
             if lane < lanes.pass_lanes:
-                ldst.stg_words_run(dst_p, op, lanes.pass_e)
+                _store_run(dst_p, op, lanes.pass_e, eb)
 
 
 @cute.jit
@@ -173,6 +202,7 @@ def finish_qk(
     tok,
     q: cute.Tensor,
     k_cache: cute.Tensor,
+    kv_scale,
     head: Int32,
     warp: Int32,
     lane: Int32,
@@ -187,10 +217,14 @@ def finish_qk(
     has_qk_norm: cutlass.Constexpr[bool],
     has_rope: cutlass.Constexpr[bool],
     lanes: cutlass.Constexpr,
+    kv_eb: cutlass.Constexpr[int],
+    kv_fp8: cutlass.Constexpr[bool],
 ):
     """q or k head: optional per-head RMSNorm over all D dims (``norm_w`` =
     ``load_norm_weights``), optional RoPE of the rotary pairs (cos / sin in
-    ``tok``), one bf16 rounding; q to ``q``, k to its cache slot."""
+    ``tok``), one bf16 rounding; q to ``q``, k to its cache slot of ``kv_eb``-byte
+    elements (``kv_fp8``: those bf16 values / ``kv_scale`` as e4m3; else the
+    bf16 words, ``kv_scale`` None)."""
     head_dim = lanes.head_dim
     e = lanes.pair_e
     half = lanes.rope_dim // 2
@@ -246,13 +280,17 @@ def finish_qk(
             if cutlass.const_expr(lanes.pass_e > 0):
                 op = ldst.pack_bf16_run(xp)
             if head < q_heads:
-                dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * 2
-                _store_head(dst, o1, o2, op, lane, d, dp, lanes)
+                dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * Q_EB
+                _store_head(dst, o1, o2, op, lane, d, dp, lanes, Q_EB)
             else:
                 dst = cache_addr(k_cache, tok[it][0], head - q_heads, d, block_size, stride_block,
-                                 stride_token, stride_head)
+                                 stride_token, stride_head, kv_eb)
                 if dst != Int64(0):
-                    _store_head(dst, o1, o2, op, lane, d, dp, lanes)
+                    if cutlass.const_expr(kv_fp8):
+                        k1, k2, kp = _e4m3_head(o1, o2, op, kv_scale, lanes)
+                        _store_head(dst, k1, k2, kp, lane, d, dp, lanes, kv_eb)
+                    else:
+                        _store_head(dst, o1, o2, op, lane, d, dp, lanes, kv_eb)
 
 
 @cute.jit
@@ -260,6 +298,7 @@ def finish_v(
     head_rows,
     tok,
     v_cache: cute.Tensor,
+    kv_scale,
     kv_head: Int32,
     warp: Int32,
     lane: Int32,
@@ -271,9 +310,12 @@ def finish_v(
     warps: cutlass.Constexpr[int],
     token_iters: cutlass.Constexpr[int],
     lanes: cutlass.Constexpr,
+    kv_eb: cutlass.Constexpr[int],
+    kv_fp8: cutlass.Constexpr[bool],
 ):
-    """v head: the rows' bits go to the cache slot unchanged; lane l < v_lanes
-    copies [E l, E l + E) and [D/2 + E l, ..) (E = v_e)."""
+    """v head: the rows' bits go to the cache slot unchanged (``kv_fp8``:
+    their values / ``kv_scale`` as e4m3); lane l < v_lanes owns [E l, E l + E)
+    and [D/2 + E l, ..) (E = v_e)."""
     head_dim = lanes.head_dim
     e = lanes.v_e
     half = head_dim // 2
@@ -282,13 +324,17 @@ def finish_v(
         n = warp + it * warps
         if n < m:
             row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
-            w1 = ldst.lds_words_run(row + d * 2, e)
-            w2 = ldst.lds_words_run(row + (d + half) * 2, e)
+            if cutlass.const_expr(kv_fp8):
+                w1 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + d * 2, e), kv_scale)
+                w2 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + (d + half) * 2, e), kv_scale)
+            else:
+                w1 = ldst.lds_words_run(row + d * 2, e)
+                w2 = ldst.lds_words_run(row + (d + half) * 2, e)
             dst = cache_addr(v_cache, tok[it][0], kv_head, d, block_size, stride_block, stride_token,
-                             stride_head)
+                             stride_head, kv_eb)
             if cutlass.const_expr(lanes.v_lanes < 32):
                 if lane >= lanes.v_lanes:
                     dst = Int64(0)
             if dst != Int64(0):
-                ldst.stg_words_run(dst, w1, e)
-                ldst.stg_words_run(dst + half * 2, w2, e)
+                _store_run(dst, w1, e, kv_eb)
+                _store_run(dst + half * kv_eb, w2, e, kv_eb)

@@ -129,6 +129,15 @@ def stg_b16(addr, w, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def stg_b8(addr, w, *, loc=None, ip=None):
+    """Store the low 8 bits of ``w`` (one fp8 byte) to global ``addr`` (PTX
+    lets st take a register wider than its type: the value is truncated)."""
+    _asm(
+        [], [(Int64, addr), (Uint32, w)], "st.global.b8 [$0], $1;", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def stg_f32x4(addr, a, b, c, d, *, loc=None, ip=None):
     _asm(
         [], [(Int64, addr), (Float32, a), (Float32, b), (Float32, c), (Float32, d)],
@@ -313,6 +322,36 @@ def bf16x2(lo, hi, *, loc=None, ip=None):
     return _asm(
         [Uint32], [(Float32, hi), (Float32, lo)],
         "cvt.rn.bf16x2.f32 $0, $1, $2;", loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None):
+    """``a / b``, IEEE fp32 division rounded to nearest even (subnormals kept,
+    no ftz): bit-exact with torch's fp32 ``/``, which a multiply by a
+    reciprocal is not."""
+    return _asm([Float32], [(Float32, a), (Float32, b)], "div.rn.f32 $0, $1, $2;", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def e4m3x2(lo, hi, *, loc=None, ip=None):
+    """Two fp32 to fp8 e4m3 (round to nearest even, saturating to +-448,
+    NaN stays NaN): ``lo`` in bits 0-7, ``hi`` in bits 8-15, bits 16-31
+    zero. sm_89+; the instruction puts its first source in the upper byte."""
+    return _asm(
+        [Uint32], [(Float32, hi), (Float32, lo)],
+        "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, $1, $2; cvt.u32.u16 $0, h; }", loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def e4m3x4(a, b, c, d, *, loc=None, ip=None):
+    """Four fp32 to e4m3 (as ``e4m3x2``) packed in one word: ``a`` in bits
+    0-7, ``b`` 8-15, ``c`` 16-23, ``d`` 24-31 (memory order)."""
+    return _asm(
+        [Uint32], [(Float32, b), (Float32, a), (Float32, d), (Float32, c)],
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $1, $2;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4; mov.b32 $0, {lo, hi}; }", loc=loc, ip=ip,
     )  # fmt: skip
 
 

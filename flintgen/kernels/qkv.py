@@ -4,7 +4,8 @@ partial rotary) and the paged KV-cache write.
 
     q, residual_out = op(x, residual, norm_weight, weight, weight_scale, global_scale,
                          q_norm_weight, k_norm_weight, cos_sin_cache, positions,
-                         k_cache, v_cache, slot_mapping, bias=None, eps=None, qk_eps=None)
+                         k_cache, v_cache, slot_mapping, bias=None, eps=None, qk_eps=None,
+                         *, k_scale=None, v_scale=None)
 
 Shapes (per tensor-parallel rank; D = head_dim, N = (q_heads + 2 kv_heads) D):
 
@@ -21,10 +22,23 @@ Shapes (per tensor-parallel rank; D = head_dim, N = (q_heads + 2 kv_heads) D):
                      rotary dims: the first R of each head rotate, NeoX pairs (i, i + R/2) or
                      interleaved (2i, 2i + 1) per spec.rope_style; the rest pass through), else None
     positions        [M] int64, each < max_pos (checked under FLINTGEN_CHECK_INPUTS=1)
-    k_cache, v_cache [blocks, block_size, kv_heads, D] bf16 views with equal strides,
-                     last stride 1 (e.g. flint's HND cache[..., :D].transpose(1, 2))
+    k_cache, v_cache [blocks, block_size, kv_heads, D] views with equal strides, last stride 1
+                     (e.g. flint's HND cache[..., :D].transpose(1, 2)), of the spec's
+                     kv_cache_dtype: bf16, or for "fp8_e4m3" torch.float8_e4m3fn or its uint8
+                     view (vLLM allocates fp8 caches as uint8); strides in elements (= bytes
+                     for fp8), multiples of 16 bytes
     slot_mapping     [<= M] int64; negative slots and tokens past its length are not written
     bias             [N] bf16 when spec.qkv_bias, added in fp32
+    k_scale, v_scale kv_cache_dtype "fp8_e4m3" only (keyword-only, required there): the
+                     layer's fp32 scales, one element each on the inputs' CUDA device
+                     (vLLM's convention: dequantized value = e4m3 x scale); K is stored as
+                     e4m3(k_bf16 / k_scale), V as e4m3(v_bf16 / v_scale), bit-exact with
+                     (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn) of the bf16
+                     rows the bf16 path stores. Read before the kernel's grid-dependency
+                     wait (the kernel launched just before must not write them), so a
+                     captured CUDA graph sees values updated in place; finite and > 0
+                     (checked under FLINTGEN_CHECK_INPUTS=1). Per-kv-head scale vectors
+                     are not supported.
 
 Returns q [M, q_heads D] bf16 and the new residual.
 """
@@ -42,6 +56,9 @@ from flintgen.spec import MAX_TOKENS_LIMIT, Spec
 _PARAM_KEYS = ("hidden", "q_heads", "kv_heads", "head_dim", "weight_format", "bias", "rope",
                "rope_dim", "interleaved", "qk_norm", "norm_offset", "debug", "rows", "cluster", "warps",
                "prefetch", "early_dequant")
+# Cache element types the epilogue writes: the bf16 rows, or e4m3 of row / scale
+# (flintgen.device.kv_quant).
+KV_DTYPES = ("bf16", "fp8_e4m3")
 
 
 def _roundup(x: int, m: int) -> int:
@@ -75,8 +92,9 @@ class QKVDef(KernelDef):
         if cfg.rows * cfg.cluster != spec.head_dim:
             raise ValueError(f"qkv config rows {cfg.rows} x cluster {cfg.cluster} must cover head_dim = "
                              f"{spec.head_dim} (one cluster per head): use cluster = {spec.head_dim // cfg.rows}")
+        extra = {} if spec.kv_cache_dtype == "bf16" else {"kv_dtype": spec.kv_cache_dtype}
         return Variant.of(
-            self.name, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
+            self.name, **extra, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
             kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim,
             weight_format=spec.weight_format, bias=spec.qkv_bias,
             rope=spec.rope_style != "none", rope_dim=spec.rope_dim,
@@ -92,9 +110,9 @@ class QKVDef(KernelDef):
 
     def check_limits(self, spec: Spec) -> None:
         super().check_limits(spec)
-        if spec.kv_cache_dtype != "bf16":
+        if spec.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kernel qkv: kv_cache_dtype {spec.kv_cache_dtype!r} (spec {spec.name!r}) is not "
-                             "written by the QKV step yet: it writes bf16 K / V rows; use kv_cache_dtype 'bf16'")
+                             f"written by the QKV step: it writes {list(KV_DTYPES)}; use one of those")
         # NeoX and interleaved pairing, whole head or partial rotary, norm_weight_offset 0 / 1
         # are all in the epilogue; the lane mapping refuses the rotary_dims it cannot split
         # (ValueError naming them). Per-layer-type RoPE needs nothing here (one table per layer).
@@ -121,7 +139,7 @@ class QKVDef(KernelDef):
         if missing:
             raise ValueError(f"qkv variant {variant.name} lacks parameters {missing}")
         n_rows = (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"]
-        kv = layout.kv_dtype("bf16")  # the epilogue writes the bf16 rows it computes (head_epilogue)
+        kv = layout.kv_dtype(p.get("kv_dtype", "bf16"))  # bf16 variants predate the key: their names stay
         sm = QKVSmem.plan(p["hidden"], p["head_dim"], p["rows"], p["warps"])
         lanes = EpilogueLanes.of(p["head_dim"], p["rope_dim"] if p["rope"] else p["head_dim"], p["interleaved"])
         return {
@@ -137,7 +155,7 @@ class QKVDef(KernelDef):
             "cluster": p["cluster"], "warps": p["warps"], "prefetch": p["prefetch"],
             "early_dequant": p["early_dequant"],
             "scale_rows": _roundup(n_rows, 128), "scale_cols": _roundup(p["hidden"] // 16, 4),
-            "kv_type": kv.cutlass_type, "kv_elem_bytes": kv.elem_bytes,
+            "kv_type": kv.cutlass_type, "kv_elem_bytes": kv.elem_bytes, "kv_fp8": kv.name == "fp8_e4m3",
         }
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "QKVOp":
@@ -148,7 +166,8 @@ class QKVDef(KernelDef):
 class QKVOp:
     """The composed QKV step (RMSNorm kernel + GEMV kernel, chained with PDL).
 
-    ``op(...)`` as in the module docstring. Keyword-only outputs for buffer
+    ``op(...)`` as in the module docstring (``k_scale`` / ``v_scale``: an fp8
+    cache's per-layer scales, keyword-only). Keyword-only outputs for buffer
     reuse: ``q_out`` [M, q_heads D], ``xn_out`` (the normalized activations,
     [M, hidden]), ``residual_out`` (may be ``residual``: in-place update);
     ``pre_norm_out`` [M, N] bf16 selects the debug binary, which also writes
@@ -177,6 +196,7 @@ class QKVOp:
         self.rope = spec.rope_style != "none"
         self.rope_dim = spec.rope_dim
         self.max_tokens = spec.max_tokens
+        self.kv_fp8 = spec.kv_cache_dtype == "fp8_e4m3"
 
     # ------------------------------------------------------------------ helpers
     def norm_op(self):
@@ -216,7 +236,7 @@ class QKVOp:
 
     def _validate(self, x, residual, norm_weight, weight, weight_scale, global_scale,
                   q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
-                  slot_mapping, bias, q_out, xn_out, residual_out, pre_norm_out):
+                  slot_mapping, bias, q_out, xn_out, residual_out, pre_norm_out, k_scale=None, v_scale=None):
         """Every check that needs no device: dtypes, shapes, strides, then
         devices last (so a CPU tensor gets 'must be on a CUDA device')."""
         import torch
@@ -288,6 +308,7 @@ class QKVOp:
                              f"{tuple(slot_mapping.shape)}")
         self._check_cache(k_cache, v_cache)
         T += [("k_cache", k_cache), ("v_cache", v_cache)]
+        T += self._check_scales(k_scale, v_scale)
         if self.spec.qkv_bias:
             if bias is None:
                 raise ValueError(f"bias [{n}] bf16 is required: the spec has qkv_bias=True")
@@ -320,27 +341,80 @@ class QKVOp:
 
         kv, d = self.kv_heads, self.head_dim
         elem = layout.kv_dtype(self.spec.kv_cache_dtype)
-        dtype, align = getattr(torch, elem.torch_dtype), 16 // elem.elem_bytes
+        dtypes, align = (getattr(torch, elem.torch_dtype),), 16 // elem.elem_bytes
+        if elem.elem_bytes == 1:
+            dtypes += (torch.uint8,)   # vLLM allocates fp8 caches as uint8: the same bytes
+        want = " or ".join(str(t) for t in dtypes)
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(c, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(c).__name__}")
-            if c.dtype != dtype:
-                raise TypeError(f"{name} must be {dtype} (spec kv_cache_dtype {elem.name!r}), got {c.dtype}")
+            if c.dtype not in dtypes:
+                fix = (": for an fp8 cache use a spec with kv_cache_dtype='fp8_e4m3'"
+                       if c.dtype in (torch.float8_e4m3fn, torch.uint8) else
+                       f": allocate the cache as {want}" if elem.elem_bytes == 1 else "")
+                raise TypeError(f"{name} must be {want} (spec kv_cache_dtype {elem.name!r}), got {c.dtype}{fix}")
             if c.dim() != 4 or c.shape[2] != kv or c.shape[3] != d:
                 raise ValueError(f"{name} must be a [blocks, block_size, {kv}, {d}] view "
                                  f"(kv_heads per rank, head_dim), got shape {tuple(c.shape)}")
             if c.stride(3) != 1 or any(s % align for s in c.stride()[:3]):
                 raise ValueError(f"{name} strides {c.stride()} are not supported: the last must be 1 and "
-                                 f"the others multiples of {align} elements (16 bytes)")
+                                 f"the others multiples of {align} elements of {elem.elem_bytes} byte"
+                                 f"{'s' if elem.elem_bytes > 1 else ''} (16 bytes)")
             if c.data_ptr() % 16:
                 raise ValueError(f"{name} must start 16-byte aligned")
+        if k_cache.dtype != v_cache.dtype:
+            raise TypeError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}: "
+                            "view both as the same one (e.g. .view(torch.uint8))")
         if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.stride() != v_cache.stride():
             raise ValueError(f"k_cache and v_cache must have equal shapes and strides, got "
                              f"{tuple(k_cache.shape)}/{k_cache.stride()} and "
                              f"{tuple(v_cache.shape)}/{v_cache.stride()}")
 
-    def _check_device_contracts(self, positions, cos_sin_cache, slot_mapping, k_cache) -> None:
+    def _check_scales(self, k_scale, v_scale) -> list:
+        """k_scale / v_scale: required (fp32, one element each) for an fp8 cache,
+        None for bf16. Returns them for the device check."""
+        import torch
+
+        dt = self.spec.kv_cache_dtype
+        out = []
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not self.kv_fp8:
+                if t is not None:
+                    raise ValueError(f"{name} must be None: the spec has kv_cache_dtype={dt!r} (K / V are stored "
+                                     "as bf16, unscaled); drop it, or use a spec with kv_cache_dtype='fp8_e4m3'")
+                continue
+            if t is None:
+                raise ValueError(f"{name} is required: the spec has kv_cache_dtype='fp8_e4m3' (stored value = "
+                                 f"e4m3(x / {name})); pass the layer's {name} as a CUDA fp32 tensor of one element "
+                                 f"(torch.tensor([s], dtype=torch.float32, device='cuda'); 1.0 where the checkpoint "
+                                 "has none)")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor (fp32, one element, on the CUDA device), got "
+                                f"{type(t).__name__}: wrap it with torch.tensor([{name}], dtype=torch.float32, "
+                                "device='cuda')")
+            if t.dtype != torch.float32:
+                raise TypeError(f"{name} must be torch.float32, got {t.dtype}: convert it with .float()")
+            if t.numel() != 1:
+                raise ValueError(f"{name} must hold one fp32 value (one scale per layer), got shape "
+                                 f"{tuple(t.shape)}: per-kv-head scale vectors are not supported; use one "
+                                 f"per-layer scale (e.g. {name}.max() of per-head scales, then requantize)")
+            if t.data_ptr() % 4:
+                raise ValueError(f"{name} must be 4-byte aligned: pass a fresh allocation or .clone() it")
+            out.append((name, t))
+        return out
+
+    def _check_device_contracts(self, positions, cos_sin_cache, slot_mapping, k_cache, k_scale=None,
+                                v_scale=None) -> None:
         """FLINTGEN_CHECK_INPUTS=1: sync and check the device-side contracts."""
+        import math
+
+        if self.kv_fp8:
+            for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+                v = float(t.reshape(-1)[0])
+                if not (math.isfinite(v) and v > 0):
+                    raise ValueError(f"{name} = {v!r} must be finite and > 0 (K / V are stored as "
+                                     f"e4m3(x / {name})): pass the layer's {name} (1.0 where the checkpoint "
+                                     "has none)")
         pos = positions.cpu()
         if self.rope:
             max_pos = cos_sin_cache.shape[0]
@@ -358,18 +432,18 @@ class QKVOp:
     def __call__(self, x, residual, norm_weight, weight, weight_scale, global_scale,
                  q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
                  slot_mapping, bias=None, eps: float | None = None, qk_eps: float | None = None, *,
-                 q_out=None, xn_out=None, residual_out=None, pre_norm_out=None):
+                 k_scale=None, v_scale=None, q_out=None, xn_out=None, residual_out=None, pre_norm_out=None):
         import torch
 
         m = self._validate(x, residual, norm_weight, weight, weight_scale, global_scale,
                            q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
-                           slot_mapping, bias, q_out, xn_out, residual_out, pre_norm_out)
+                           slot_mapping, bias, q_out, xn_out, residual_out, pre_norm_out, k_scale, v_scale)
         eps = self.spec.rms_eps if eps is None else checks.positive_float("eps", eps)
         qk_eps = self.spec.rms_eps if qk_eps is None else checks.positive_float("qk_eps", qk_eps)
         from flintgen.knobs import knobs
 
         if knobs.check_inputs:
-            self._check_device_contracts(positions, cos_sin_cache, slot_mapping, k_cache)
+            self._check_device_contracts(positions, cos_sin_cache, slot_mapping, k_cache, k_scale, v_scale)
 
         xn = xn_out if xn_out is not None else torch.empty_like(x)
         norm = self.norm_op()
@@ -389,7 +463,13 @@ class QKVOp:
             args += [q_norm_weight, k_norm_weight]
         if self.rope:
             args += [cos_sin_cache, positions]
-        args += [slot_mapping, q, k_cache, v_cache]
+        if self.kv_fp8:
+            # a uint8 cache is viewed as e4m3 (same bytes), the kernel's cache element
+            kv_t = getattr(torch, layout.kv_dtype(self.spec.kv_cache_dtype).torch_dtype)
+            args += [slot_mapping, q, k_cache.view(kv_t), v_cache.view(kv_t), k_scale.reshape(1),
+                     v_scale.reshape(1)]
+        else:
+            args += [slot_mapping, q, k_cache, v_cache]
         if pre_norm_out is not None:
             args.append(pre_norm_out)
         if self.spec.qk_norm:
@@ -417,9 +497,14 @@ class QKVOp:
             w, ws, gs = torch.zeros(n, h, **bf), None, None
         nw = torch.ones(d, **bf) if self.spec.qk_norm else None
         cs = rope_table(self.spec, 1, dev) if self.rope else None
-        cache = torch.zeros(1, 16, self.kv_heads, d, **bf)
+        kv_t = getattr(torch, layout.kv_dtype(self.spec.kv_cache_dtype).torch_dtype)
+        cache = torch.zeros(1, 16, self.kv_heads, d, dtype=torch.uint8 if self.kv_fp8 else kv_t, device=dev)
         pos = torch.zeros(1, dtype=torch.int64, device=dev)
         slots = torch.full((1,), -1, dtype=torch.int64, device=dev)
         b = torch.zeros(n, **bf) if self.spec.qkv_bias else None
-        self(x, None, torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b)
-        self(x, x.clone(), torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b)
+        sc = {}
+        if self.kv_fp8:
+            one = torch.ones(1, dtype=torch.float32, device=dev)
+            sc = dict(k_scale=one, v_scale=one)
+        self(x, None, torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b, **sc)
+        self(x, x.clone(), torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b, **sc)
