@@ -8,6 +8,13 @@
 Design: templates/decode_attention.py.j2 and the device modules it imports;
 launch heuristics: flintgen/configs/decode_attention_config.py.
 
+fp8 e4m3 caches (spec ``kv_cache_dtype="fp8_e4m3"``): the variants carry
+``kv_fp8`` (template constant KV_FP8); the pages stream as bytes, become f16
+fragments exactly (``paged_kv``), and run the f16 mma (``decode_mma``); the
+per-layer ``k_scale`` / ``v_scale`` are kernel arguments (device tensors):
+k_scale multiplies the logits' factor, v_scale the output's normalization
+(``attention_combine.inv_norm``). bf16 variants keep their names and PTX.
+
 Contracts the op relies on (documented on ``DecodeAttentionOp``):
 
 * seq_lens and block_tables are read by the kernel *before* its
@@ -96,7 +103,7 @@ class DecodeAttentionDef(KernelDef):
     name = "decode_attention"
     template = "decode_attention.py.j2"
     description = ("split-KV paged decode attention with sinks, sliding window and logit soft-capping "
-                   "(GQA 1-16, head_dim 64/96/128/256, page 16/32/64)")
+                   "(GQA 1-16, head_dim 64/96/128/256, page 16/32/64, bf16 or fp8 e4m3 cache)")
     required_ptx = (
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
         "mbarrier.try_wait.parity",
@@ -170,7 +177,7 @@ class DecodeAttentionOp:
     Paged decode attention with sinks, one query token per request, on the
     current CUDA stream with programmatic dependent launch. Shapes (B requests,
     Hq = spec q heads per rank, Hkv = spec kv heads per rank, Hq / Hkv in
-    1..16, D = head_dim in {64, 128}, P = page_size in {16, 32, 64}):
+    1..16, D = head_dim in {64, 96, 128, 256}, P = page_size in {16, 32, 64}):
 
     * ``q``: [B, Hq, D] bf16; last dim contiguous, row strides multiples of 8
       elements, 16-byte aligned (a view into a fused qkv output is fine).
