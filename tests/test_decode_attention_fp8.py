@@ -387,6 +387,19 @@ def _compile_cases():
     return out
 
 
+def assert_scales_read_before_wait(ptx):
+    """k_scale and v_scale (kernel parameters 9 and 10, after the counters)
+    are loaded from global memory before the first griddepcontrol.wait."""
+    import re
+
+    wait = ptx.index("griddepcontrol.wait")
+    for idx in (9, 10):
+        regs = re.findall(rf"ld\.param\.b64\s+(%rd\d+), \[\w+_param_{idx}\];", ptx)
+        assert regs, f"parameter {idx} is not loaded"
+        loads = [m.start() for r in regs for m in re.finditer(rf"ld\.global\.\w+\s+%r\d+, \[{r}\];", ptx)]
+        assert loads and min(loads) < wait, f"parameter {idx} is read after griddepcontrol.wait"
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("spec, variant", _compile_cases())
 def test_fp8_variant_compiles_clean(spec, variant):
@@ -397,6 +410,7 @@ def test_fp8_variant_compiles_clean(spec, variant):
     load_variant(KDEF, spec, variant, T132)
     res, ptx = check_compiled(KDEF, spec, variant, T132)
     assert KDEF.BF16_MMA not in ptx
+    assert_scales_read_before_wait(ptx)
     record(f"compile {spec.name} {variant.name}: {res['registers']} registers")
 
 
