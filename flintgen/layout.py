@@ -54,7 +54,9 @@ class KVDtype:
 
 # Element types the layout can describe. What a kernel supports is its
 # validation's business (Spec.SUPPORTED_KV_DTYPES, decode_attention_config
-# .check_supported): fp8 e4m3 is described here, no kernel reads it yet.
+# .check_supported): decode attention reads fp8 e4m3 pages (converted to f16
+# fragments: its fragment registers are those of 16-bit pairs whatever the
+# cache, AttentionLayout.slice_bytes halves).
 KV_DTYPES = {
     d.name: d for d in (
         KVDtype(name="bf16", elem_bytes=2, cutlass_type="BFloat16", torch_dtype="bfloat16"),

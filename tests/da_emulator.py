@@ -17,7 +17,12 @@ Emulated semantics:
   address with the peer's cluster rank (bit 20 up).
 * Warps: shuffles and ``mma.sync.m16n8k16`` exchange values through a
   32-thread barrier (PTX fragment layouts); fp32 math in numpy float32,
-  bf16 rounding to nearest even. ``ex2.approx`` is numpy's fp32 exp2 (within
+  bf16 rounding to nearest even. The fp8 path: ``cvt.rn.f16x2.e4m3x2``
+  decodes e4m3fn bytes exactly (``e4m3_to_f16_bits``; NaN -> f16 NaN),
+  q's ``cvt.rn.satfinite.f16x2.f32`` clamps to +-65504 then rounds to
+  nearest even (numpy's float16), P's ``cvt.rn.f16x2.f32`` rounds to
+  nearest even, the f16 ``mma`` multiplies the f16 values exactly and sums
+  in fp64 before rounding to fp32 (as for bf16). ``ex2.approx`` is numpy's fp32 exp2 (within
   1 ulp; the hardware's is within 2), ``rcp.approx`` the rounded fp32 quotient (the hardware is within 1 ulp).
 * mbarriers: arrival count + transaction bytes + phase; a bulk copy lands at
   once and completes its bytes. ``try_wait.parity P`` returns once the phase
@@ -76,6 +81,38 @@ class Uint8(_Num):
 
 class BFloat16(_Num):
     size = 2
+
+
+class Float8E4M3FN(_Num):
+    size = 1
+
+
+def e4m3_to_f16_bits(byte):
+    """f16 bits of the e4m3fn byte (s eeee mmm, bias 7: subnormals m 2^-9,
+    s 1111 111 NaN, no infinities): exact, every e4m3 value is an f16 one."""
+    byte = int(byte) & 0xFF
+    sign, e, m = byte >> 7, (byte >> 3) & 0xF, byte & 7
+    if e == 15 and m == 7:
+        return 0x7FFF        # canonical NaN (cvt's)
+    v = m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return int(np.array([-v if sign else v], dtype=np.float16).view(np.uint16)[0])
+
+
+_E4M3_F16 = [e4m3_to_f16_bits(b) for b in range(256)]
+
+
+def _f32_to_f16(x, satfinite=False):
+    """f16 bits of fp32 ``x`` rounded to nearest even (numpy); ``satfinite``
+    clamps magnitudes past 65504 (infinities too) to +-65504 first."""
+    x = np.float32(x)
+    if satfinite and not np.isnan(x):
+        x = np.float32(np.clip(x, -65504.0, 65504.0))
+    with np.errstate(over="ignore"):
+        return int(np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0])
+
+
+def _f16(w):
+    return (np.asarray(w) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 def _f32_to_bf16(x):
@@ -173,7 +210,7 @@ class _Exchange:
 
     def _act(self):
         s0 = self.slots[0]
-        if isinstance(s0, tuple) and s0 and s0[0] == "mma":
+        if isinstance(s0, tuple) and s0 and s0[0] in ("mma", "mma_f16"):
             self.result = _mma_warp(self.slots)
 
 
@@ -189,22 +226,28 @@ def _hi(w):
     return (w & 0xFFFF0000).astype(np.uint32).view(np.float32)
 
 
+def s0_kind(slots):
+    return slots[0][0]
+
+
 def _mma_warp(slots):
-    """D = A B + C of mma.m16n8k16 (bf16 A row-major, B col-major, fp32 C)
-    from the 32 lanes' fragments; returns each lane's 4 D values."""
+    """D = A B + C of mma.m16n8k16 (bf16 or, for kind "mma_f16", f16 A
+    row-major, B col-major, fp32 C) from the 32 lanes' fragments; returns
+    each lane's 4 D values."""
+    lo, hi = (_lo, _hi) if s0_kind(slots) == "mma" else (lambda w: _f16(w), lambda w: _f16(w >> 16))
     a = np.array([s[1] for s in slots], dtype=np.uint32)            # [32, 4]
     b = np.array([(s[2], s[3]) for s in slots], dtype=np.uint32)     # [32, 2]
     c = np.array([s[4] for s in slots], dtype=np.float32)            # [32, 4]
     g, t = _G, _T
     A = np.zeros((16, 16), np.float32)
     for r, (ro, co) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-        A[g + ro, 2 * t + co] = _lo(a[:, r])
-        A[g + ro, 2 * t + co + 1] = _hi(a[:, r])
+        A[g + ro, 2 * t + co] = lo(a[:, r])
+        A[g + ro, 2 * t + co + 1] = hi(a[:, r])
     B = np.zeros((16, 8), np.float32)
-    B[2 * t, g] = _lo(b[:, 0])
-    B[2 * t + 1, g] = _hi(b[:, 0])
-    B[2 * t + 8, g] = _lo(b[:, 1])
-    B[2 * t + 9, g] = _hi(b[:, 1])
+    B[2 * t, g] = lo(b[:, 0])
+    B[2 * t + 1, g] = hi(b[:, 0])
+    B[2 * t + 8, g] = lo(b[:, 1])
+    B[2 * t + 9, g] = hi(b[:, 1])
     D = A.astype(np.float64) @ B.astype(np.float64)
     out = np.stack([D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]], axis=1)
     return (out + c.astype(np.float64)).astype(np.float32)
@@ -392,12 +435,20 @@ def _ptx(gmem):
 
     p.prmt = prmt
 
-    def mma(c, a, b0, b1):
+    def mma(c, a, b0, b1, kind="mma"):
         w = _CTX.cta.warps[_CTX.tid // 32]
-        return tuple(_exchange(("mma", tuple(int(x) for x in a), int(b0), int(b1), tuple(c)),
+        return tuple(_exchange((kind, tuple(int(x) for x in a), int(b0), int(b1), tuple(c)),
                                lambda s, lane: w.result[lane]))
 
     p.mma_bf16_16816 = mma
+    p.mma_f16_16816 = lambda c, a, b0, b1: mma(c, a, b0, b1, "mma_f16")
+    p.e4m3x4_to_f16x2x2 = lambda w: (_E4M3_F16[int(w) & 0xFF] | (_E4M3_F16[(int(w) >> 8) & 0xFF] << 16),
+                                     _E4M3_F16[(int(w) >> 16) & 0xFF] | (_E4M3_F16[(int(w) >> 24) & 0xFF] << 16))
+    p.e4m3x2_to_f16x2 = lambda w: _E4M3_F16[int(w) & 0xFF] | (_E4M3_F16[(int(w) >> 8) & 0xFF] << 16)
+    p.bf16x2_to_f16x2_sat = lambda w: (_f32_to_f16(_lo(np.uint32(w)), True)
+                                       | (_f32_to_f16(_hi(np.uint32(w)), True) << 16))
+    p.f16x2 = lambda lo, hi: _f32_to_f16(lo) | (_f32_to_f16(hi) << 16)
+    p.lds_u32 = lambda addr: int(_smem_read(int(addr), np.uint32, 1)[0])
     # attn_ptx
     p.stg_b16 = lambda addr, w: gmem.write(int(addr), np.uint16, [int(w) & 0xFFFF])
     p.selp_f32 = lambda a, b, pred: np.float32(a) if pred else np.float32(b)
@@ -523,6 +574,7 @@ def load(source: str, gmem: GlobalMemory):
     cute.runtime = runtime
     cutlass = types.ModuleType("cutlass")
     for n, v in dict(Float32=Float32, Int32=Int32, Int64=Int64, Uint32=Uint32, Uint8=Uint8, BFloat16=BFloat16,
+                     Float8E4M3FN=Float8E4M3FN,
                      cute=cute, Constexpr=object, const_expr=lambda x: x,
                      range_constexpr=range, range=lambda *a, **_: range(*(int(x) for x in a)),
                      min=min, max=max).items():
@@ -563,11 +615,14 @@ def load(source: str, gmem: GlobalMemory):
     return ns
 
 
-def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_partials, softcap=None):
+def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_partials, softcap=None,
+        k_scale=None, v_scale=None):
     """Run one launch of ``variant`` on CPU torch/numpy inputs; returns out
     [B, Hq, D] as float32 numpy (bf16 values). ``sinks`` None -> -inf.
     ``softcap``: the logit cap of a soft-capping variant (scalar arguments as
-    the op computes them, ``launch_scalars``)."""
+    the op computes them, ``launch_scalars``). An fp8 variant takes the
+    e4m3 cache as float8_e4m3fn or uint8 and ``k_scale`` / ``v_scale``
+    (one-element tensors or numbers)."""
     import torch
 
     from flintgen import codegen
@@ -581,6 +636,11 @@ def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_p
     def bf(t):  # bf16 tensor -> its raw uint16 bits
         return t.contiguous().view(dtype=torch.int16).numpy().view(np.uint16)
 
+    def raw(t):  # the cache's raw element bits (bf16: uint16; e4m3: uint8)
+        if t.dtype in (torch.float8_e4m3fn, torch.uint8):
+            return t.contiguous().view(torch.uint8).numpy()
+        return bf(t)
+
     b, hq, d = q.shape
     # q and out (bf16), the cache, the table, partials of up to 16 heads, slack.
     need = q.numel() * 4 + kv.numel() * 2 + bt.numel() * 4 + 4 * num_partials * 40 * d + (1 << 20)
@@ -588,7 +648,7 @@ def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_p
     ns = load(src, gmem)
     th = AttentionLayout(head_dim=d, gqa=hq // kv.shape[1]).q_rows   # partials: real heads only
     tq = Tensor(gmem, bf(q))
-    tkv = Tensor(gmem, bf(kv))
+    tkv = Tensor(gmem, raw(kv))
     tbt = Tensor(gmem, bt.numpy().astype(np.int32))
     tlens = Tensor(gmem, seq_lens.numpy().astype(np.int32))
     s = np.full(hq, -np.inf, np.float32) if sinks is None else sinks.numpy().astype(np.float32)
@@ -599,7 +659,10 @@ def run(kdef, spec, variant, q, kv, bt, seq_lens, sinks, window, scale, *, num_p
     part_ml = Tensor(gmem, np.full(n * 2 * th, np.nan, np.float32))
     counters = Tensor(gmem, np.zeros(max(b * kv.shape[1], 1), np.int32))
     scale_log2, *cap = (np.float32(x) for x in launch_scalars(scale, softcap))
-    ns["DecodeAttention"]()(tq, tkv, tbt, tlens, tsinks, tout, part_o, part_ml, counters,
+    scales = ()
+    if dict(variant.params).get("kv_fp8"):
+        scales = tuple(Tensor(gmem, np.array([float(x)], np.float32)) for x in (k_scale, v_scale))
+    ns["DecodeAttention"]()(tq, tkv, tbt, tlens, tsinks, tout, part_o, part_ml, counters, *scales,
                             scale_log2, int(window or 0), *cap, None)
     if counters.numpy().any():
         raise AssertionError("arrival counters not reset")

@@ -19,6 +19,12 @@ path) x kv heads 1 and 8 x pages 16 and 64, max_batch 256.
   pages of 64 and off with 16 (a pairwise cover: capping touches only the
   scores, the page only the block-id path). The full product (about 11000
   launch variants at max_batch 256) differs from these only in constants.
+  fp8 e4m3 caches add a pairwise cover (``fp8_families``, 42 binaries):
+  per head_dim a padded one-tile GQA (3) and a second GQA (12, two tiles;
+  8 at head_dim 256), one kv head, pages and soft-capping alternating, every
+  epilogue family of both (cluster, one split, split partials merged by
+  one or several CTAs) at its fewest splits plus the most-split launches;
+  their PTX has cvt.rn.f16x2.e4m3x2 and the f16 mma, not the bf16 one.
 * ``gpu`` (H200): every (GQA, head_dim) at B = 1, 3 and 64, full attention
   and window 128, mixed lengths (0, 1, slice / page / window edges, up to
   5k) against the fp64 reference with the existing bound; long windows 512,
@@ -115,7 +121,30 @@ def grid_families():
     return {**fams, **heavy}
 
 
-_FAMILIES = grid_families()
+def fp8_families():
+    """{key: (spec, variant)} of the fp8 cover (module docstring): what the
+    e4m3 path changes is the K / V loads (head_dim), q's conversion (padded
+    and two-tile q), the scales' folding (soft-capping) and v_scale's way
+    through every epilogue, so the key is (head_dim, GQA, softcap, cluster,
+    split, merge); page and window length are bf16's business."""
+    fams, heavy = {}, {}
+    for d in GRID_DIMS:
+        for i, gqa in enumerate((3, 12) if d != 256 else (3, 8)):
+            page = (16, 64)[(i + d // 32) % 2]
+            spec = grid_spec(gqa, d, kv=1, page=page, window=128, softcap=(i + d // 64) % 2 == 0)
+            spec = spec.replace(name=spec.name + "-fp8", kv_cache_dtype="fp8_e4m3")
+            for v in KDEF.variants(spec, T132):
+                k = ("fp8", d, gqa, bool(dict(v.params).get("softcap")), v["cluster"], v["num_splits"] > 1,
+                     v["merge_ctas"], v["merge_from"] > 0)
+                if k not in fams or fams[k][1]["num_splits"] > v["num_splits"]:
+                    fams[k] = (spec, v)
+                k = ("fp8-heaviest", d, gqa > 8, v["merge_ctas"], v["cluster"])
+                if k not in heavy or heavy[k][1]["num_splits"] < v["num_splits"]:
+                    heavy[k] = (spec, v)
+    return {**fams, **heavy}
+
+
+_FAMILIES = {**grid_families(), **fp8_families()}
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +182,8 @@ def test_grid_family_compiles_clean(built_families, key):
     assert cache.make_entry(v, KDEF.template, dict(KDEF.render_params(spec, v)), T132).dir == built
     _, ptx = check_compiled(KDEF, spec, v, T132)
     assert ("mapa.shared::cluster" in ptx) == v["cluster"]
+    fp8 = bool(dict(v.params).get("kv_fp8"))
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == fp8 and (KDEF.BF16_MMA in ptx) != fp8
 
 
 # ----------------------------------------------------------------- GPU

@@ -55,11 +55,10 @@ def test_rows_past_one_tile():
     assert AttentionLayout(head_dim=128, gqa=1, tile=16).pad_rows == 15
 
 
-def test_fp8_kv_is_described_not_read_yet():
+def test_fp8_kv_is_described_and_read_by_decode_attention():
     lay = AttentionLayout(head_dim=128, gqa=8, kv_dtype="fp8_e4m3")
     assert lay.kv_elem_bytes == 1 and lay.slice_bytes == 4096 and lay.kv_row_bytes == 256
-    with pytest.raises(NotImplementedError, match=r"kv_cache_dtype = fp8_e4m3 is not supported \(supported: \['bf16'\]"):
-        dac.check_supported(head_dim=128, gqa=8, page_size=16, kv_dtype="fp8_e4m3")
+    dac.check_supported(head_dim=128, gqa=8, page_size=16, kv_dtype="fp8_e4m3")
     assert FLINT.replace(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"   # the spec takes it
 
 

@@ -168,11 +168,11 @@ def test_kv_cache_dtype_other_fp8_refused_by_name(value):
         FLINT.replace(kv_cache_dtype=value)
 
 
-def test_fp8_kv_spec_refused_by_kernels_until_they_support_it():
+def test_fp8_kv_spec_selects_fp8_variants():
     from flintgen.kernels import KERNELS
     from flintgen.kernels.base import Target
 
     s, t = FLINT.replace(kv_cache_dtype="fp8_e4m3"), Target("sm_90a", 132)
     assert [v["kv_dtype"] for v in KERNELS["qkv"].variants(s, t)] == ["fp8_e4m3"]   # the QKV step writes e4m3
-    with pytest.raises(NotImplementedError, match=r"decode_attention: kv_cache_dtype = fp8_e4m3 is not supported"):
-        KERNELS["decode_attention"].variants(s, t)
+    # decode attention reads e4m3 pages (tests/test_decode_attention_fp8.py).
+    assert all(v["kv_fp8"] for v in KERNELS["decode_attention"].variants(s, t))

@@ -30,18 +30,25 @@ of the last one alone; ``merge_from``: only once that many splits are active
 Head tiles (``AttentionLayout``): the mma's N = HEAD_TILE = 8 columns are q
 heads, so GQA 4 runs one tile with 4 padded heads and GQA 16 two tiles
 (``tile_heads`` 8 or 16 heads are computed and merged).
+
+fp8 e4m3 caches (``kv_dtype``): slices are half the bytes (an e4m3 slice at
+head_dim 128 is the 4 KB of a bf16 one at head_dim 64); ``launch_config``
+takes the bf16 choice of the shape and re-derives it by bytes
+(``_fp8_by_bytes``, derived, unmeasured).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flintgen.layout import HEAD_TILE, SLICE_TOKENS, AttentionLayout
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_GQA = tuple(range(1, 17))   # q heads per kv head per rank: one or two tiles of 8
 SUPPORTED_PAGE_SIZES = (16, 32, 64)
-SUPPORTED_KV_DTYPES = ("bf16",)        # the device math's fragments are bf16 pairs
+# bf16: bf16 fragments and mma; fp8_e4m3: the bytes converted to f16 fragments, the f16 mma.
+SUPPORTED_KV_DTYPES = ("bf16", "fp8_e4m3")
+MAX_STAGES = 8                         # ring slots per warp (__post_init__'s bound)
 
 # Registers a lane may spend on the slice's K / V fragments, the O
 # accumulators and q (of 255 on sm_90; the rest: softmax state, addresses,
@@ -83,6 +90,9 @@ class DecodeAttentionConfig:
     # last CTA alone merges (the few partials of a short context are a
     # latency chain, not one SM's bandwidth). 0: always.
     merge_from: int = 0
+    # The cache's element type (a shape field like head_dim): "bf16" or
+    # "fp8_e4m3" (half the slice bytes; the same fragment registers).
+    kv_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.num_warps not in (4, 8):
@@ -129,8 +139,8 @@ class DecodeAttentionConfig:
 
     @property
     def layout(self) -> AttentionLayout:
-        """q tile and KV slices of the shape (one query token, bf16 cache)."""
-        return AttentionLayout(head_dim=self.head_dim, gqa=self.gqa)
+        """q tile and KV slices of the shape (one query token, ``kv_dtype`` cache)."""
+        return AttentionLayout(head_dim=self.head_dim, gqa=self.gqa, kv_dtype=self.kv_dtype)
 
     @property
     def tile_heads(self) -> int:
@@ -149,9 +159,12 @@ class DecodeAttentionConfig:
     def kv_parts(self) -> int:
         """1: a lane holds a slice's K and V fragments at once; 2: K, then V in
         the same registers (when both, the accumulators and q would pass
-        FRAGMENT_REGISTERS: head_dim 256)."""
+        FRAGMENT_REGISTERS: head_dim 256). The fragments are 16-bit pairs
+        whatever the cache (an e4m3 slice is converted to f16 pairs): D / 2
+        words of K and V per lane."""
         lay = self.layout
-        words = lay.slice_bytes // (32 * 4) + lay.tile_rows * self.head_dim // 32 + lay.tile_rows * self.head_dim // 64
+        frag = SLICE_TOKENS * 2 * self.head_dim // (2 * 32)
+        words = frag + lay.tile_rows * self.head_dim // 32 + lay.tile_rows * self.head_dim // 64
         return 1 if words <= FRAGMENT_REGISTERS else 2
 
     @property
@@ -205,7 +218,9 @@ def check_supported(*, head_dim: int, gqa: int, page_size: int, kv_dtype: str = 
          f"q heads are the mma's {HEAD_TILE} columns: up to 8 fill one tile, 9-16 two, padded; more "
          "needs a third tile (split the kv heads over more ranks)"),
         ("page_size", page_size, SUPPORTED_PAGE_SIZES, f"pages are streamed as {SLICE_TOKENS}-token slices"),
-        ("kv_cache_dtype", kv_dtype, SUPPORTED_KV_DTYPES, "the mma fragments are built from bf16 K / V pairs"),
+        ("kv_cache_dtype", kv_dtype, SUPPORTED_KV_DTYPES,
+         "the mma fragments are bf16 pairs, or f16 pairs converted from e4m3 (fp8_e5m2 and int8 need "
+         "other conversions)"),
     ):
         if value not in ok:
             raise NotImplementedError(
@@ -236,8 +251,48 @@ def _fit_cluster(splits: int, stages: int, head_dim: int, gqa: int) -> DecodeAtt
 
 
 def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int | None,
-                  head_dim: int, gqa: int, page_size: int, num_sms: int) -> DecodeAttentionConfig:
-    """The configuration for a static batch size (launch shape depends on it alone).
+                  head_dim: int, gqa: int, page_size: int, num_sms: int,
+                  kv_dtype: str = "bf16") -> DecodeAttentionConfig:
+    """The configuration for a static batch size: the bf16 rule
+    (``_launch_config_bf16``), re-derived by bytes for an fp8 cache
+    (``_fp8_by_bytes``)."""
+    check_supported(head_dim=head_dim, gqa=gqa, page_size=page_size, kv_dtype=kv_dtype)
+    cfg = _launch_config_bf16(batch=batch, num_kv_heads=num_kv_heads, sliding=sliding, window=window,
+                              head_dim=head_dim, gqa=gqa, page_size=page_size, num_sms=num_sms)
+    return cfg if kv_dtype == "bf16" else _fp8_by_bytes(cfg, kv_dtype)
+
+
+def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str) -> DecodeAttentionConfig:
+    """The bf16 choice ``cfg`` for a cache of 1-byte elements. Derived by
+    bytes, unmeasured (no H200 timing of an fp8 variant yet):
+
+    * stages: doubled (at most MAX_STAGES), so that a warp's ring keeps the
+      bf16 choice's bytes in flight (the rule head_dim 64 took from head_dim
+      128, which its measurements kept: ``_full_attention_d64``); ring bytes,
+      the shared-memory occupancy cap and the epilogue scratch are then those
+      of bf16 (fewer where the cap of 8 slots binds: bf16's 6-slot head_dim-64
+      rings become 8 slots of 2 KB).
+    * splits, warps and the merges: unchanged (they follow the SMs, the
+      pairs and the partials' bytes, which do not depend on the cache type).
+    * min_pages (slices per warp from which a split is active): unchanged.
+      By bytes it would double, but head_dim 64's 4 KB slices (an fp8 head_dim
+      128 slice's bytes) measured best at 1 where bytes said 4 (latency, not
+      bandwidth, decides at short contexts), and above 16 pairs 1 and 2
+      measured equal.
+    """
+    stages = min(MAX_STAGES, 2 * cfg.num_stages)
+    while True:
+        try:
+            return replace(cfg, kv_dtype=kv_dtype, num_stages=stages)
+        except ValueError:
+            if stages <= cfg.num_stages:
+                raise
+            stages -= 1
+
+
+def _launch_config_bf16(*, batch: int, num_kv_heads: int, sliding: bool, window: int | None,
+                        head_dim: int, gqa: int, page_size: int, num_sms: int) -> DecodeAttentionConfig:
+    """The configuration of a bf16 cache for a static batch size (launch shape depends on it alone).
 
     ``window``: the spec's sliding-window length (used only when ``sliding``).
     ``gqa``: q heads per kv head *per rank*.
@@ -479,10 +534,12 @@ def _full_attention_d256(num_bh: int, num_sms: int, gqa: int) -> DecodeAttention
 
 
 def all_configs(*, max_batch: int, num_kv_heads: int, sliding: bool, window: int | None,
-                head_dim: int, gqa: int, page_size: int, num_sms: int) -> dict[int, DecodeAttentionConfig]:
+                head_dim: int, gqa: int, page_size: int, num_sms: int,
+                kv_dtype: str = "bf16") -> dict[int, DecodeAttentionConfig]:
     """batch -> config for batch 1..max_batch."""
     return {b: launch_config(batch=b, num_kv_heads=num_kv_heads, sliding=sliding, window=window,
-                             head_dim=head_dim, gqa=gqa, page_size=page_size, num_sms=num_sms)
+                             head_dim=head_dim, gqa=gqa, page_size=page_size, num_sms=num_sms,
+                             kv_dtype=kv_dtype)
             for b in range(1, max_batch + 1)}
 
 

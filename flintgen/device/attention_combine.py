@@ -11,6 +11,12 @@ O / (l + exp2(sink * log2 e - m * c)). With soft-capped logits
 (``decode_mma.softcap_logit``) m is the max of the capped logits, which are
 already scaled, and c = log2 e; the sink stays uncapped.
 
+fp8 e4m3 cache: logits are q . K_e4m3 and c carries k_scale (c = scale
+log2(e) k_scale; soft-capped: the cap's factor carries it), so m, l and the
+merge weights are those of the dequantized cache; O sums p * V_e4m3 and
+v_scale enters once, in the output's normalization O * v_scale / (l +
+sink term) (``inv_norm``): split partials and DSMEM buffers stay unscaled.
+
 Heads: TH = HEAD_TILE x head tiles (8 for GQA 1..8, 16 for GQA 9..16;
 flintgen/layout.py ``AttentionLayout.tile_rows``) are computed; ``G`` below
 is the real GQA (TH >= G): heads G..TH-1 are padding (q = 0), combined
@@ -106,6 +112,13 @@ def _weight(m_r, scale_log2, m_s):
     """exp2(m_r * c - m * c), 0 for an empty partial (m_r = -inf; also when
     m = -inf, where the fma alone would give NaN)."""
     return selp_f32(ptx.ex2(ptx.fma(m_r, scale_log2, -m_s)), Float32(0.0), Int32(m_r != ptx.neg_inf()))
+
+
+def inv_norm(den, v_scale=None):
+    """The output's factor ``1 / den``, or ``v_scale / den`` for an e4m3
+    cache (v_scale applied once, here; chosen while tracing: nothing is
+    emitted for bf16)."""
+    return Float32(1.0) / den if v_scale is None else v_scale / den
 
 
 @cute.jit
@@ -355,14 +368,14 @@ def _head_weights(ml_smem, num_splits, lane, h, scale_log2, NSPLIT: cutlass.Cons
 @cute.jit
 def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_log2, sink_s, out_row,
                    o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
-                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
+                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr, v_scale=None):
     """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
     at ``po_base``/``pml_base`` (rows of split 0, G real heads each) and write
     the output of the real heads (padded heads ``eh >= G`` load nothing and
     store nothing).
 
     ``ml_smem``: shared scratch of ``2 G * NSPLIT + 2 G`` floats (m, l table,
-    then the per-head merged m * c and l)."""
+    then the per-head merged m * c and l); ``v_scale``: ``inv_norm``."""
     MLR = 2 * G         # floats per split row of the m / l table
     ROW = G * D * 4     # bytes per split row of part_o
     # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
@@ -395,7 +408,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
             if cutlass.const_expr(r0 > 0):
                 _load_round(vs, o_base, r0, num_loads, RCH, E, ROW)
             _sum_round(o, vs, ml_smem, r0, num_splits, hr, MLR, G, min(RCH, NSPLIT - r0), E)
-    inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
+    inv = inv_norm(l_all + ptx.ex2(sink_s - m_all_s), v_scale)
     store_head(out_row, eh, ed, o, inv, E, G, TH)
 
 
@@ -430,7 +443,7 @@ def depart(counter, last, tid):
 @cute.jit
 def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks, head0, out_b, so1, rank, r_eff,
                  NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr, TH: cutlass.Constexpr,
-                 G: cutlass.Constexpr, MC: cutlass.Constexpr, EM: cutlass.Constexpr):
+                 G: cutlass.Constexpr, MC: cutlass.Constexpr, EM: cutlass.Constexpr, v_scale=None):
     """Merger ``rank`` of ``r_eff``: merge head groups ``rank, rank + r_eff, ..``
     (``MC`` groups of ``TH / MC`` heads) and write their real heads (padded
     heads load nothing). Thread ``tid`` owns ``EM`` (1, 2 or 4) consecutive
@@ -470,7 +483,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
             m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + hr) * 4)
             l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + G + hr) * 4)
             sink_s = Float32(sinks[head0 + hr]) * LOG2E
-            inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
+            inv = inv_norm(l_all + ptx.ex2(sink_s - m_all_s), v_scale)
             dst = out_b + Int64(head0 + h) * so1 * 2 + Int64(d0 * 2)
             if h < G:
                 if cutlass.const_expr(EM == 4):
@@ -484,7 +497,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
 @cute.jit
 def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale_log2, out_b, so1,
                    NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
-                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr):
+                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr, v_scale=None):
     """Merge the splits of a (request, kv head) inside its cluster: every CTA
     sends rank r the dims ``[r * DPR, (r + 1) * DPR)`` of its partial O (plus
     m and l) through DSMEM; after one cluster barrier each rank merges all
@@ -524,17 +537,18 @@ def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale
             oo[e] = oo[e] + wgt * ptx.lds_f32(cbuf + ((r * TH + h) * DPR + dl + e) * 4)
     if cutlass.const_expr(TH > G):
         if h < G:
-            _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
+            _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT, v_scale)
     else:
-        _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT)
+        _cluster_store(oo, m_all_s, l_all, sinks, head0 + h, out_b, so1, rank, dl, DPR, OPT, v_scale)
 
 
 @cute.jit
 def _cluster_store(oo, m_all_s, l_all, sinks, head, out_b, so1, rank, dl, DPR: cutlass.Constexpr,
-                   OPT: cutlass.Constexpr):
-    """Normalize (sink included) and write OPT dims from ``rank * DPR + dl`` of q head ``head``."""
+                   OPT: cutlass.Constexpr, v_scale=None):
+    """Normalize (sink included; ``v_scale``: ``inv_norm``) and write OPT dims
+    from ``rank * DPR + dl`` of q head ``head``."""
     sink_s = Float32(sinks[head]) * LOG2E
-    inv = Float32(1.0) / (l_all + ptx.ex2(sink_s - m_all_s))
+    inv = inv_norm(l_all + ptx.ex2(sink_s - m_all_s), v_scale)
     dst_g = out_b + (Int64(head) * so1 + rank * DPR + dl) * 2
     if cutlass.const_expr(OPT % 2):
         # Odd OPT (head_dim 96 over 2 ranks: 3 dims): dl is not 4-byte aligned.

@@ -29,6 +29,16 @@ fragments. Lane ``(g, t) = (lane // 4, lane % 4)``.
   ``64 + 4 g + 2 (j - 4)``; ``pv_dims``), so with AW = D / 4 accumulators per
   tile ``acc[AW tile + 4 j + 0..3]`` = O[head 2t, d0], O[2t+1, d0],
   O[2t, d0+1], O[2t+1, d0+1].
+
+fp8 e4m3 cache (``F16``; paged_kv's ``FP8`` fragments): the same layouts in
+f16 words and ``mma.sync.m16n8k16.f32.f16.f16.f32``. K and V are exact
+(e4m3 -> f16); q is converted once per CTA, bf16 -> f16 with ``.satfinite``
+(exact for |q| in [2^-14, 65504], saturated to +-65504 beyond, f16
+subnormals below: ``attn_ptx.bf16x2_to_f16x2_sat``); P is rounded to f16
+(p <= 1: 11 significant bits where bf16 keeps 8; p below 2^-14 keeps an
+absolute precision of 2^-25). The per-layer scales are folded outside
+(k_scale into the score factor, v_scale into the final normalization), so
+the fragments hold the raw e4m3 values.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from flintgen.device import ptx
-from flintgen.device.attn_ptx import rcp_approx, selp_f32
+from flintgen.device.attn_ptx import bf16x2_to_f16x2_sat, f16x2, mma_f16_16816, rcp_approx, selp_f32
 from flintgen.layout import HEAD_TILE, SLICE_TOKENS
 
 
@@ -51,14 +61,17 @@ def _load_q_head(qf, row, t, base: cutlass.Constexpr, D: cutlass.Constexpr):
 
 
 @cute.jit
-def load_q(qf, q_row, head_bytes, g, t, D: cutlass.Constexpr, GQA: cutlass.Constexpr):
+def load_q(qf, q_row, head_bytes, g, t, D: cutlass.Constexpr, GQA: cutlass.Constexpr,
+           F16: cutlass.Constexpr = False):
     """Every head tile of one kv head: tile ``tl`` of ``qf`` (D / 8 words from
     ``tl * D / 8``) <- q head ``HEAD_TILE tl + g``, dims ``32 i + 8 t .. +7``
     (``q_row``: byte address of head g; ``head_bytes``: bytes between heads).
     Coherent loads: q is written by the previous kernel. In a tile that GQA
     does not fill (GQA 3: heads 3..7 of tile 0; GQA 12: heads 12..15 of tile 1)
     the lanes of padded heads hold zeros and load nothing: the row past the kv
-    head's last q head may lie past the end of q."""
+    head's last q head may lie past the end of q. ``F16``: the bf16 pairs are
+    converted to f16 pairs once loaded (``bf16x2_to_f16x2_sat``; zeros stay
+    zeros)."""
     for tl in cutlass.range_constexpr(-(-GQA // HEAD_TILE)):
         real = GQA - HEAD_TILE * tl  # heads of this tile that exist
         head = q_row + Int64(HEAD_TILE * tl) * head_bytes
@@ -69,6 +82,9 @@ def load_q(qf, q_row, head_bytes, g, t, D: cutlass.Constexpr, GQA: cutlass.Const
                 qf[tl * (D // 8) + k] = Uint32(0)
             if g < real:
                 _load_q_head(qf, head, t, tl * (D // 8), D)
+    if cutlass.const_expr(F16):
+        for k in cutlass.range_constexpr(-(-GQA // HEAD_TILE) * (D // 8)):
+            qf[k] = bf16x2_to_f16x2_sat(qf[k])
 
 
 def pv_dims(j: int, D: int) -> tuple[int, int]:
@@ -83,15 +99,22 @@ def pv_dims(j: int, D: int) -> tuple[int, int]:
     return 64 * full + 2 * (j - 4 * full), 4
 
 
+def _mma(F16):
+    """The m16n8k16 of the fragments' type: f16 (e4m3 cache) or bf16."""
+    return mma_f16_16816 if F16 else ptx.mma_bf16_16816
+
+
 @cute.jit
 def slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
-                 D: cutlass.Constexpr, TILE: cutlass.Constexpr, softcap=None):
+                 D: cutlass.Constexpr, TILE: cutlass.Constexpr, softcap=None, F16: cutlass.Constexpr = False):
     """First half of ``attend_page``: S = K q from the K fragments at
     ``frag[0 ..]`` (soft-capped when ``softcap`` is ``(k, cap)``: Float32,
     ``k = 2 log2(e) scale / cap``, ``scale_log2`` then log2(e);
     ``softcap_logit``), the online softmax (running m, l; head tile
-    ``TILE``'s accumulators rescaled) and P^T as the B operand of P V.
+    ``TILE``'s accumulators rescaled) and P^T as the B operand of P V
+    (``F16``: f16 fragments and P, else bf16).
     Returns ``(m0, m1, l0, l1, b0, b1)``."""
+    mma = _mma(F16)
     KO = D // 8
     QO = TILE * (D // 8)
     AO = TILE * (D // 4)
@@ -104,9 +127,9 @@ def slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0,
         a = (frag[4 * i + 2 * h], frag[KO + 4 * i + 2 * h],
              frag[4 * i + 2 * h + 1], frag[KO + 4 * i + 2 * h + 1])  # fmt: skip
         if cutlass.const_expr(h == 0):
-            sa = ptx.mma_bf16_16816(sa, a, qf[QO + 4 * i + 2 * h], qf[QO + 4 * i + 2 * h + 1])
+            sa = mma(sa, a, qf[QO + 4 * i + 2 * h], qf[QO + 4 * i + 2 * h + 1])
         else:
-            sb = ptx.mma_bf16_16816(sb, a, qf[QO + 4 * i + 2 * h], qf[QO + 4 * i + 2 * h + 1])
+            sb = mma(sb, a, qf[QO + 4 * i + 2 * h], qf[QO + 4 * i + 2 * h + 1])
     ninf = ptx.neg_inf()
     pos = slc * SLICE_TOKENS + g
     ok_lo = Int32((pos >= start_tok) & (pos < seq_len))
@@ -145,8 +168,9 @@ def slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0,
     # P^T as the B operand: lane (g, t) needs P[head g][tokens 2t, 2t+1] (b0)
     # and [2t+8, 2t+9] (b1). Token 2t's heads 2t', 2t'+1 sit in lane
     # 4 (2t) + t' with t' = g // 2; the half is g % 2.
-    x = ptx.bf16x2(p0, p1)
-    y = ptx.bf16x2(p2, p3)
+    pack = f16x2 if F16 else ptx.bf16x2
+    x = pack(p0, p1)
+    y = pack(p2, p3)
     src = 8 * t + (g >> 1)
     x0 = cute.arch.shuffle_sync(x, src)
     x1 = cute.arch.shuffle_sync(x, src + 4)
@@ -159,9 +183,11 @@ def slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0,
 
 
 @cute.jit
-def slice_pv(frag, VO: cutlass.Constexpr, acc, b0, b1, D: cutlass.Constexpr, TILE: cutlass.Constexpr):
+def slice_pv(frag, VO: cutlass.Constexpr, acc, b0, b1, D: cutlass.Constexpr, TILE: cutlass.Constexpr,
+             F16: cutlass.Constexpr = False):
     """Second half of ``attend_page``: O^T += V^T P^T from the V fragments at
-    ``frag[VO ..]`` (word j of a token: dims ``pv_dims(j, D)``)."""
+    ``frag[VO ..]`` (word j of a token: dims ``pv_dims(j, D)``; ``F16``: f16)."""
+    mma = _mma(F16)
     VR = D // 16
     AO = TILE * (D // 4)
     for j in cutlass.range_constexpr(D // 16):
@@ -171,7 +197,7 @@ def slice_pv(frag, VO: cutlass.Constexpr, acc, b0, b1, D: cutlass.Constexpr, TIL
         vd = frag[VO + 3 * VR + j]      # V token 2t+9
         a = (ptx.prmt(va, vb, Uint32(0x5410)), ptx.prmt(va, vb, Uint32(0x7632)),
              ptx.prmt(vc, vd, Uint32(0x5410)), ptx.prmt(vc, vd, Uint32(0x7632)))  # fmt: skip
-        r = ptx.mma_bf16_16816(
+        r = mma(
             (acc[AO + 4 * j], acc[AO + 4 * j + 1], acc[AO + 4 * j + 2], acc[AO + 4 * j + 3]), a, b0, b1
         )
         for k in cutlass.range_constexpr(4):
@@ -180,15 +206,15 @@ def slice_pv(frag, VO: cutlass.Constexpr, acc, b0, b1, D: cutlass.Constexpr, TIL
 
 @cute.jit
 def attend_page(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1, g, t,
-                D: cutlass.Constexpr, TILE: cutlass.Constexpr, softcap=None):
+                D: cutlass.Constexpr, TILE: cutlass.Constexpr, softcap=None, F16: cutlass.Constexpr = False):
     """Fold sequence slice ``slc`` (fragments from ``paged_kv.load_page``: K
     from 0, V from D / 4) into head tile ``TILE``'s accumulators and running
     (m, l); returns the new ``(m0, m1, l0, l1)``. ``l`` is this lane's share
     (tokens g, g + 8); the caller sums it over g at the end. ``softcap``: as
     in ``slice_scores``."""
     m0, m1, l0, l1, b0, b1 = slice_scores(frag, qf, acc, slc, start_tok, seq_len, scale_log2, m0, m1, l0, l1,
-                                          g, t, D, TILE, softcap)
-    slice_pv(frag, D // 4, acc, b0, b1, D, TILE)
+                                          g, t, D, TILE, softcap, F16)
+    slice_pv(frag, D // 4, acc, b0, b1, D, TILE, F16)
     return m0, m1, l0, l1
 
 

@@ -34,6 +34,15 @@ D / 4 words once the scores are done): D / 2 words of both would not leave
 room for the accumulators in 255 registers.
 
 At D = 128 that is ``frag[16 r + 4 i + j]`` and ``frag[32 + 8 r + 4 h + j]``.
+
+fp8 e4m3 cache (``FP8``: 1 byte per element, the same HND layout; the ring
+slot holds the slice's bytes as they are, ``slot + token * 2D + dim``): the
+fragments above are the same words as f16 pairs, converted from the e4m3
+bytes as they are loaded (``attn_ptx.e4m3x4_to_f16x2x2``, exact): a K
+group of 8 dims is one 8-byte load (2 words of 4 e4m3 -> 4 f16x2 words),
+a V 64-dim group's 8 dims one 8-byte load, the trailing 32-dim group's 4
+dims (D = 96) one 4-byte load. Registers and the mma side are those of
+bf16 (the f16 mma, ``decode_mma``).
 """
 
 from __future__ import annotations
@@ -43,12 +52,13 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from flintgen.device import ptx
-from flintgen.device.attn_ptx import lds_u32x2, selp_u32
+from flintgen.device.attn_ptx import e4m3x4_to_f16x2x2, lds_u32, lds_u32x2, selp_u32
 from flintgen.layout import SLICE_TOKENS, kv_dtype
 
-# The fragments below are bf16 pairs (one u32 = 2 elements): this module's
-# math is the bf16 cache's. Another KV dtype brings its own ``load_page``.
+# The fragments below are 16-bit pairs (one u32 = 2 elements): bf16 from a
+# bf16 cache, f16 converted from an e4m3 one (``FP8``, EB8 bytes per element).
 EB = kv_dtype("bf16").elem_bytes
+EB8 = kv_dtype("fp8_e4m3").elem_bytes
 
 
 @cute.jit
@@ -95,20 +105,32 @@ def block_ids_sliced(bt_row, slice0, stride, first, n_w, lane, SPP: cutlass.Cons
 
 
 @cute.jit
-def load_k(frag, slot, g, t, D: cutlass.Constexpr):
+def load_k(frag, slot, g, t, D: cutlass.Constexpr, FP8: cutlass.Constexpr = False):
     """K fragments of the slice in the ring slot at shared address ``slot``:
-    ``frag[KO r + 4 i + j]`` (D / 4 x Uint32, layout in the module docstring)."""
-    ROW = 2 * D * EB    # one token's K | V row
+    ``frag[KO r + 4 i + j]`` (D / 4 x Uint32, layout in the module docstring;
+    ``FP8``: f16 pairs converted from an e4m3 slice)."""
     KO = D // 8
-    for r in cutlass.range_constexpr(2):
-        for i in cutlass.range_constexpr(D // 32):
-            w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW + (32 * i + 8 * t) * EB)
-            for j in cutlass.range_constexpr(4):
-                frag[KO * r + 4 * i + j] = w[j]
+    if cutlass.const_expr(FP8):
+        ROW8 = 2 * D * EB8
+        for r in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(D // 32):
+                w = lds_u32x2(slot + (g + 8 * r) * ROW8 + (32 * i + 8 * t) * EB8)
+                for u in cutlass.range_constexpr(2):
+                    lo, hi = e4m3x4_to_f16x2x2(w[u])
+                    frag[KO * r + 4 * i + 2 * u] = lo
+                    frag[KO * r + 4 * i + 2 * u + 1] = hi
+    else:
+        ROW = 2 * D * EB    # one token's K | V row
+        for r in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(D // 32):
+                w = ptx.lds_u32x4(slot + (g + 8 * r) * ROW + (32 * i + 8 * t) * EB)
+                for j in cutlass.range_constexpr(4):
+                    frag[KO * r + 4 * i + j] = w[j]
 
 
 @cute.jit
-def load_v(frag, VO: cutlass.Constexpr, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
+def load_v(frag, VO: cutlass.Constexpr, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr,
+           FP8: cutlass.Constexpr = False):
     """V fragments of slice ``slc`` (tokens ``16 slc ..``) in the ring slot at
     ``slot``: ``frag[VO + VR r + j]`` (D / 4 x Uint32 from ``VO``; word ``j``
     of a token holds dims ``decode_mma.pv_dims(j, D)``). A 64-dim group is one
@@ -120,20 +142,39 @@ def load_v(frag, VO: cutlass.Constexpr, slot, slc, start_tok, seq_len, g, t, D: 
     0 * V into NaN in P V. Masked K rows need nothing: their scores are
     replaced by -inf.
     """
-    ROW = 2 * D * EB
     VR = D // 16
-    vbase = slot + D * EB
-    for r in cutlass.range_constexpr(4):
-        tok = 2 * t + (r % 2) + 8 * (r // 2)
-        for h in cutlass.range_constexpr(D // 64):
-            w = ptx.lds_u32x4(vbase + tok * ROW + (64 * h + 8 * g) * EB)
-            for j in cutlass.range_constexpr(4):
-                frag[VO + VR * r + 4 * h + j] = w[j]
-        if cutlass.const_expr(D % 64):
-            h = D // 64
-            w2 = lds_u32x2(vbase + tok * ROW + (64 * h + 4 * g) * EB)
-            for j in cutlass.range_constexpr(2):
-                frag[VO + VR * r + 4 * h + j] = w2[j]
+    if cutlass.const_expr(FP8):
+        # e4m3: 8 bytes (4-byte for the trailing 32-dim group) per token and
+        # group, converted to the same f16 words.
+        ROW8 = 2 * D * EB8
+        vbase8 = slot + D * EB8
+        for r in cutlass.range_constexpr(4):
+            tok = 2 * t + (r % 2) + 8 * (r // 2)
+            for h in cutlass.range_constexpr(D // 64):
+                w = lds_u32x2(vbase8 + tok * ROW8 + (64 * h + 8 * g) * EB8)
+                for u in cutlass.range_constexpr(2):
+                    lo, hi = e4m3x4_to_f16x2x2(w[u])
+                    frag[VO + VR * r + 4 * h + 2 * u] = lo
+                    frag[VO + VR * r + 4 * h + 2 * u + 1] = hi
+            if cutlass.const_expr(D % 64):
+                h = D // 64
+                lo, hi = e4m3x4_to_f16x2x2(lds_u32(vbase8 + tok * ROW8 + (64 * h + 4 * g) * EB8))
+                frag[VO + VR * r + 4 * h] = lo
+                frag[VO + VR * r + 4 * h + 1] = hi
+    else:
+        ROW = 2 * D * EB
+        vbase = slot + D * EB
+        for r in cutlass.range_constexpr(4):
+            tok = 2 * t + (r % 2) + 8 * (r // 2)
+            for h in cutlass.range_constexpr(D // 64):
+                w = ptx.lds_u32x4(vbase + tok * ROW + (64 * h + 8 * g) * EB)
+                for j in cutlass.range_constexpr(4):
+                    frag[VO + VR * r + 4 * h + j] = w[j]
+            if cutlass.const_expr(D % 64):
+                h = D // 64
+                w2 = lds_u32x2(vbase + tok * ROW + (64 * h + 4 * g) * EB)
+                for j in cutlass.range_constexpr(2):
+                    frag[VO + VR * r + 4 * h + j] = w2[j]
     p0 = slc * SLICE_TOKENS
     if (p0 < start_tok) | (p0 + SLICE_TOKENS > seq_len):
         zero = Uint32(0)
@@ -145,8 +186,8 @@ def load_v(frag, VO: cutlass.Constexpr, slot, slc, start_tok, seq_len, g, t, D: 
 
 
 @cute.jit
-def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr):
+def load_page(frag, slot, slc, start_tok, seq_len, g, t, D: cutlass.Constexpr, FP8: cutlass.Constexpr = False):
     """Fill ``frag`` (D / 2 x Uint32: K from 0, V from D / 4) from the ring
     slot at shared address ``slot`` holding sequence slice ``slc``."""
-    load_k(frag, slot, g, t, D)
-    load_v(frag, D // 4, slot, slc, start_tok, seq_len, g, t, D)
+    load_k(frag, slot, g, t, D, FP8)
+    load_v(frag, D // 4, slot, slc, start_tok, seq_len, g, t, D, FP8)

@@ -3,9 +3,17 @@
     op = flintgen.get_kernel(spec, "decode_attention")
     op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out)
     op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap=50.0)  # attn_logit_softcap specs
+    op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, k_scale=ks, v_scale=vs)  # fp8_e4m3 specs
 
 Design: templates/decode_attention.py.j2 and the device modules it imports;
 launch heuristics: flintgen/configs/decode_attention_config.py.
+
+fp8 e4m3 caches (spec ``kv_cache_dtype="fp8_e4m3"``): the variants carry
+``kv_fp8`` (template constant KV_FP8); the pages stream as bytes, become f16
+fragments exactly (``paged_kv``), and run the f16 mma (``decode_mma``); the
+per-layer ``k_scale`` / ``v_scale`` are kernel arguments (device tensors):
+k_scale multiplies the logits' factor, v_scale the output's normalization
+(``attention_combine.inv_norm``). bf16 variants keep their names and PTX.
 
 Contracts the op relies on (documented on ``DecodeAttentionOp``):
 
@@ -14,7 +22,10 @@ Contracts the op relies on (documented on ``DecodeAttentionOp``):
   the current token), so no kernel of the PDL chain leading into the launch
   may write them: they come from host-to-device copies ahead of the decode
   step. q, the current token's page, out and the workspace may be written by
-  the kernel right before.
+  the kernel right before. With an fp8 cache the per-layer ``k_scale`` /
+  ``v_scale`` tensors are read before the wait too (same rule; being read
+  from device memory at every launch, a captured CUDA graph sees values
+  updated in place).
 * The workspace (fp32 split partials + self-resetting arrival counters) is
   allocated once per device, zeroed once, and never replaced, so CUDA graphs
   keep valid pointers. Launches sharing it must be ordered: an eager launch
@@ -56,16 +67,21 @@ def _configs(spec: Spec, target: Target, sliding: bool) -> dict[int, dac.DecodeA
     return dac.all_configs(
         max_batch=spec.max_batch, num_kv_heads=spec.kv_heads_per_rank, sliding=sliding,
         window=spec.sliding_window if sliding else None, head_dim=spec.head_dim, gqa=_gqa(spec),
-        page_size=spec.page_size, num_sms=target.num_sms,
+        page_size=spec.page_size, num_sms=target.num_sms, kv_dtype=spec.kv_cache_dtype,
     )  # fmt: skip
 
 
+def _fp8(spec: Spec) -> bool:
+    return spec.kv_cache_dtype == "fp8_e4m3"
+
+
 def _variant(spec: Spec, sliding: bool, cfg: dac.DecodeAttentionConfig) -> Variant:
-    # softcap only where present: the other variants keep their names.
+    # softcap and kv_fp8 only where present: the other variants keep their names.
     cap = {"softcap": True} if spec.attn_logit_softcap else {}
+    fp8 = {"kv_fp8": True} if _fp8(spec) else {}
     return Variant.of(
         "decode_attention", kv_heads=spec.kv_heads_per_rank, gqa=_gqa(spec), head_dim=spec.head_dim,
-        page_size=spec.page_size, sliding=sliding, **cap, **cfg.as_params(),
+        page_size=spec.page_size, sliding=sliding, **cap, **fp8, **cfg.as_params(),
     )  # fmt: skip
 
 
@@ -87,7 +103,7 @@ class DecodeAttentionDef(KernelDef):
     name = "decode_attention"
     template = "decode_attention.py.j2"
     description = ("split-KV paged decode attention with sinks, sliding window and logit soft-capping "
-                   "(GQA 1-16, head_dim 64/96/128/256, page 16/32/64)")
+                   "(GQA 1-16, head_dim 64/96/128/256, page 16/32/64, bf16 or fp8 e4m3 cache)")
     required_ptx = (
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
         "mbarrier.try_wait.parity",
@@ -96,6 +112,18 @@ class DecodeAttentionDef(KernelDef):
         "griddepcontrol.launch_dependents",
         "ex2.approx.ftz.f32",
     )
+    # An fp8 variant runs the f16 mma on converted e4m3 bytes instead of the bf16 one.
+    FP8_PTX = ("cvt.rn.f16x2.e4m3x2", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+               "cvt.rn.satfinite.f16x2.f32")
+    BF16_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+    def variant_ptx(self, variant: Variant) -> tuple[str, ...]:
+        """PTX the variant's binary must contain (CI checks): ``required_ptx``,
+        with the f16 mma and the e4m3 conversions in place of the bf16 mma for
+        an fp8 cache."""
+        if not dict(variant.params).get("kv_fp8"):
+            return self.required_ptx
+        return tuple(p for p in self.required_ptx if p != self.BF16_MMA) + self.FP8_PTX
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
         dac.check_supported(head_dim=spec.head_dim, gqa=_gqa(spec), page_size=spec.page_size,
@@ -112,13 +140,14 @@ class DecodeAttentionDef(KernelDef):
         p = dict(variant.params)
         cfg = dac.DecodeAttentionConfig(**{k: p[k] for k in (
             "num_splits", "num_warps", "num_stages", "min_pages", "cluster", "ctas_per_sm", "head_dim", "gqa",
-            "merge_ctas", "merge_from")})
+            "merge_ctas", "merge_from")}, kv_dtype="fp8_e4m3" if p.get("kv_fp8") else "bf16")
         pad = 0
         if cfg.ctas_per_sm:
             pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
         p["pad_bytes"] = pad
         p["merge_dims"] = cfg.merge_dims
         p["softcap"] = bool(p.get("softcap", False))
+        p["kv_fp8"] = bool(p.get("kv_fp8", False))
         lay = cfg.layout
         p.update(slice_tokens=layout.SLICE_TOKENS, slices_per_page=lay.slices_per_page(p["page_size"]),
                  kv_type=layout.kv_dtype(lay.kv_dtype).cutlass_type, kv_elem_bytes=lay.kv_elem_bytes,
@@ -143,18 +172,25 @@ class _Workspace:
 
 
 class DecodeAttentionOp:
-    """``op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, *, softcap=None) -> out``
+    """``op(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, *, softcap=None, k_scale=None, v_scale=None) -> out``
 
     Paged decode attention with sinks, one query token per request, on the
     current CUDA stream with programmatic dependent launch. Shapes (B requests,
     Hq = spec q heads per rank, Hkv = spec kv heads per rank, Hq / Hkv in
-    1..16, D = head_dim in {64, 128}, P = page_size in {16, 32, 64}):
+    1..16, D = head_dim in {64, 96, 128, 256}, P = page_size in {16, 32, 64}):
 
     * ``q``: [B, Hq, D] bf16; last dim contiguous, row strides multiples of 8
       elements, 16-byte aligned (a view into a fused qkv output is fine).
-    * ``kv_cache``: [num_blocks, Hkv, P, 2 * D] bf16 HND cache, K in
+    * ``kv_cache``: [num_blocks, Hkv, P, 2 * D] HND cache, K in
       ``[..., :D]`` and V in ``[..., D:]``; each (block, kv head) page of
-      P x 2D contiguous, block / head strides multiples of 8, 16-byte aligned.
+      P x 2D contiguous, block / head strides multiples of 16 bytes (8 bf16
+      elements, 16 e4m3 ones), 16-byte aligned. bf16 for a bf16 spec; for
+      ``kv_cache_dtype="fp8_e4m3"`` e4m3 bytes as ``torch.float8_e4m3fn`` or
+      ``torch.uint8`` (vLLM allocates fp8 caches as uint8; the bytes are
+      read as e4m3fn either way), layout and strides the same in 1-byte
+      elements::
+
+          dequantized K = e4m3(kv[..., :D]) * k_scale,  V = e4m3(kv[..., D:]) * v_scale
     * ``block_tables``: [B, max_blocks] int32, last dim contiguous; entries of
       the attended pages must be valid block ids (others are never read).
     * ``seq_lens``: [B] int32 KV lengths including the current token; 0 writes
@@ -174,6 +210,18 @@ class DecodeAttentionOp:
       argument: another cap never recompiles (a CUDA graph keeps the cap it
       was captured with, as it keeps ``scale`` and ``window``). The kernel's
       tanh is within 5.5e-7 * cap of fp64 in the logit (``decode_mma.softcap_logit``).
+    * ``k_scale``, ``v_scale`` (keyword): for an fp8 spec (required then,
+      None otherwise), vLLM's per-layer scales: CUDA fp32 tensors of one
+      element (any shape, e.g. 0-d), contract finite and > 0 (checked under
+      FLINTGEN_CHECK_INPUTS=1). Read by the kernel before its
+      grid-dependency wait (like seq_lens: no kernel of the PDL chain ahead
+      may write them), at every launch: a CUDA graph replays with the values
+      they hold then. k_scale multiplies the logits' factor (scale * k_scale;
+      soft-capped: cap * tanh(q.k * scale * k_scale / cap)), v_scale the
+      output's normalization (O * v_scale / l), once. Numerics: K and V are
+      exact (e4m3 -> f16), q is converted to f16 (|q| past 65504 saturates
+      to +-65504: FLINTGEN_CHECK_INPUTS=1 refuses such q), P is rounded to
+      f16; f16 mma with fp32 accumulation.
 
     seq_lens and block_tables are read before the kernel's grid-dependency
     wait: no kernel of the PDL chain ahead of the launch may write them (use
@@ -194,6 +242,7 @@ class DecodeAttentionOp:
         self.head_dim = spec.head_dim
         self.page = spec.page_size
         self.layout = layout.AttentionLayout(head_dim=spec.head_dim, gqa=self.gqa, kv_dtype=spec.kv_cache_dtype)
+        self.fp8 = _fp8(spec)
         self._configs = {s: _configs(spec, target, s) for s in _layer_kinds(spec)}
         self._variants = {s: {b: _variant(spec, s, c) for b, c in cfgs.items()}
                           for s, cfgs in self._configs.items()}  # fmt: skip
@@ -203,7 +252,8 @@ class DecodeAttentionOp:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ validation
-    def _check(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap=None) -> int:
+    def _check(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap=None,
+               k_scale=None, v_scale=None) -> int:
         """Validate every argument; returns B. Types, dtypes, shapes and
         strides are checked before devices, so every rejection but the device
         ones is reachable with CPU tensors (and none needs a kernel load)."""
@@ -238,7 +288,15 @@ class DecodeAttentionOp:
         if tuple(out.shape) != (batch, hq, d):
             raise ValueError(f"out must have shape {(batch, hq, d)} like q, got {tuple(out.shape)}")
         _check_rows("out", out)
-        _typed("kv_cache", kv_cache, getattr(torch, layout.kv_dtype(self.layout.kv_dtype).torch_dtype))
+        if self.fp8:
+            if not isinstance(kv_cache, torch.Tensor):
+                raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+            if kv_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise TypeError(f"kv_cache must be torch.float8_e4m3fn or torch.uint8 (e4m3 bytes) for spec "
+                                f"{spec.name!r} (kv_cache_dtype='fp8_e4m3'), got {kv_cache.dtype}: pass the fp8 "
+                                "cache itself (or .view(torch.uint8) of it), not a dequantized copy")
+        else:
+            _typed("kv_cache", kv_cache, getattr(torch, layout.kv_dtype(self.layout.kv_dtype).torch_dtype))
         if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (hkv, page, 2 * d):
             raise ValueError(
                 f"kv_cache must be the HND cache [num_blocks, {hkv}, {page}, {2 * d}] (kv heads, page size, "
@@ -265,6 +323,7 @@ class DecodeAttentionOp:
                              f"{tuple(seq_lens.shape)}, strides {seq_lens.stride()}")
         tensors = [("q", q), ("out", out), ("kv_cache", kv_cache), ("block_tables", block_tables),
                    ("seq_lens", seq_lens)]  # fmt: skip
+        tensors += self._check_scales(k_scale, v_scale)
         if spec.sinks:
             if sinks is None:
                 raise ValueError(f"spec {spec.name!r} has sinks=True: pass sinks, a [{hq}] fp32 tensor of "
@@ -297,8 +356,41 @@ class DecodeAttentionOp:
     def config(self, batch: int, sliding: bool) -> dac.DecodeAttentionConfig:
         return self._configs[sliding][batch]
 
-    def __call__(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, *, softcap=None):
-        batch = self._check(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap)
+    def _check_scales(self, k_scale, v_scale) -> list:
+        """``k_scale`` / ``v_scale``: one-element fp32 tensors for an fp8
+        spec, None otherwise; returns them as (name, tensor) for the device
+        checks."""
+        import torch
+
+        spec = self.spec
+        pairs = [("k_scale", k_scale), ("v_scale", v_scale)]
+        if not self.fp8:
+            for name, t in pairs:
+                if t is not None:
+                    raise ValueError(f"{name} given but spec {spec.name!r} has kv_cache_dtype="
+                                     f"{spec.kv_cache_dtype!r} (no scales): pass {name}=None, or build a spec "
+                                     "with kv_cache_dtype='fp8_e4m3'")
+            return []
+        for name, t in pairs:
+            if t is None:
+                raise ValueError(f"spec {spec.name!r} has kv_cache_dtype='fp8_e4m3': pass {name}, the layer's "
+                                 f"fp32 {name[0].upper()} scale as a one-element CUDA tensor (dequantized = e4m3 "
+                                 f"x {name}; vLLM's layer._{name}), e.g. torch.ones((), device='cuda')")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a one-element fp32 torch.Tensor (read by the kernel at every "
+                                f"launch, so CUDA graphs see updates), got {type(t).__name__} {t!r}: pass e.g. "
+                                f"torch.tensor({t!r}, dtype=torch.float32, device='cuda')")
+            if t.dtype != torch.float32:
+                raise TypeError(f"{name} must be torch.float32, got {t.dtype}: convert it with .float()")
+            if t.numel() != 1:
+                raise ValueError(f"{name} must hold one element (a per-layer scale), got shape {tuple(t.shape)}: "
+                                 "per-kv-head scales are not supported")
+        return pairs
+
+    def __call__(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, *, softcap=None,
+                 k_scale=None, v_scale=None):
+        batch = self._check(q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap,
+                            k_scale, v_scale)
         if batch == 0:
             return out
         sliding = window is not None
@@ -309,8 +401,17 @@ class DecodeAttentionOp:
             sinks = self._sinks_none(q.device)
         if knobs.check_inputs:
             _check_device_inputs(kv_cache, block_tables, seq_lens)
+            if self.fp8:
+                check_fp8_inputs(q, k_scale, v_scale)
         scale_log2, *cap = launch_scalars(scale, softcap)
-        fn(q, kv_cache, block_tables, seq_lens, sinks, out, ws.part_o, ws.part_ml, ws.counters,
+        scales = ()
+        if self.fp8:
+            import torch
+
+            if kv_cache.dtype == torch.uint8:
+                kv_cache = kv_cache.view(torch.float8_e4m3fn)   # same bytes and strides
+            scales = (k_scale.reshape(1), v_scale.reshape(1))   # views: the kernel reads their memory
+        fn(q, kv_cache, block_tables, seq_lens, sinks, out, ws.part_o, ws.part_ml, ws.counters, *scales,
            scale_log2, 0 if window is None else int(window), *cap)  # fmt: skip
         return out
 
@@ -373,9 +474,11 @@ class DecodeAttentionOp:
 
         device = torch.device(device)
         hq, d = self.q_heads, self.head_dim
-        kv = torch.zeros(1, self.kv_heads, self.page, 2 * d, dtype=torch.bfloat16, device=device)
+        kv_dtype = getattr(torch, layout.kv_dtype(self.layout.kv_dtype).torch_dtype)
+        kv = torch.zeros(1, self.kv_heads, self.page, 2 * d, dtype=kv_dtype, device=device)
         sinks = torch.zeros(hq, dtype=torch.float32, device=device) if self.spec.sinks else None
         softcap = 1.0 if self.spec.attn_logit_softcap else None
+        one = torch.ones((), dtype=torch.float32, device=device) if self.fp8 else None
         for sliding, per in self._variants.items():
             seen = set()
             for b, v in per.items():
@@ -387,7 +490,7 @@ class DecodeAttentionOp:
                 bt = torch.zeros(b, 1, dtype=torch.int32, device=device)
                 lens = torch.zeros(b, dtype=torch.int32, device=device)
                 self(q, kv, bt, lens, sinks, self.spec.sliding_window if sliding else None,
-                     self.spec.scale, out, softcap=softcap)  # fmt: skip
+                     self.spec.scale, out, softcap=softcap, k_scale=one, v_scale=one)  # fmt: skip
 
 
 def _check_softcap(spec: Spec, softcap, scale) -> None:
@@ -427,6 +530,29 @@ def _check_rows(name, t) -> None:
     if s[2] != 1 or s[1] % 8 or s[0] % 8:
         raise ValueError(f"{name} must have a contiguous last dim and row strides that are multiples of 8 "
                          f"elements (16-byte rows), got strides {s}: call .contiguous()")
+
+
+F16_MAX = 65504.0
+
+
+def check_fp8_inputs(q, k_scale, v_scale) -> None:
+    """FLINTGEN_CHECK_INPUTS=1 with an fp8 cache: the scales are finite and
+    > 0, and q lies within f16's range (the kernel converts q to f16 with
+    saturation: larger magnitudes would be clamped to 65504). Works on any
+    device (synchronizes)."""
+    import torch
+
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        x = float(t.reshape(()).item())
+        if not math.isfinite(x) or x <= 0:
+            raise ValueError(f"{name} must be finite and > 0 (dequantized = e4m3 x {name}), got {x!r}: pass the "
+                             "layer's calibrated scale (1.0 when the cache was written unscaled)")
+    if q.numel():
+        big = float(q.detach().abs().float().amax().item())
+        if not big <= F16_MAX:
+            raise ValueError(f"q has |values| up to {big!r}, outside f16's range (|q| <= {F16_MAX:g}): the fp8 "
+                             "path runs the f16 mma and would saturate them to +-65504 (NaN stays NaN); "
+                             "scale q down (fold the factor into scale) or use a bf16 cache")
 
 
 def _check_device_inputs(kv_cache, block_tables, seq_lens) -> None:

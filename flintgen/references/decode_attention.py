@@ -15,6 +15,13 @@ or None, scale, and ``softcap`` None or the logit cap) and return [B, Hq, D];
 seq_len 0 gives zeros. With ``softcap`` the logits are soft-capped before the
 softmax as transformers does for Gemma 2 (``attn_logit_softcapping``):
 ``s = softcap * tanh(q.k * scale / softcap)``; sinks are not capped.
+
+fp8 e4m3 caches (vLLM's per-layer scales, dequantized = e4m3 x scale):
+``quantize_kv`` writes one from a bf16 cache as vLLM does, and
+``dequantize_kv`` returns the fp64 cache both references above then take
+(``decode_attention_ref(q, dequantize_kv(kv8, ks, vs), ...)``): the error
+contract is against the dequantized cache, so the quantization itself is
+not the kernel's error.
 """
 
 from __future__ import annotations
@@ -91,6 +98,50 @@ def decode_attention_seed_rounding(q, kv_cache, block_tables, seq_lens, sinks, w
         o = torch.einsum("hgn,hnd->hgd", p.bfloat16().float(), v.float()) / l
         out[b] = o.reshape(hq, d).bfloat16()
     return out
+
+
+def _split_scales(k_scale, v_scale):
+    return float(k_scale), float(v_scale)
+
+
+def quantize_kv(kv, k_scale, v_scale, *, as_uint8=False):
+    """An e4m3 HND cache from a bf16 / fp32 one [blocks, Hkv, page, 2D]:
+    ``(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`` for K
+    (``[..., :D]``, ``k_scale``) and V (``v_scale``): vLLM's order,
+    saturating, NaN stays NaN. ``as_uint8``: the same bytes as torch.uint8
+    (how vLLM allocates fp8 caches). Scales: numbers or one-element tensors."""
+    import torch
+
+    ks, vs = _split_scales(k_scale, v_scale)
+    d = kv.shape[-1] // 2
+    x = kv.float()
+    q = torch.cat([(x[..., :d] / ks).clamp(-448.0, 448.0), (x[..., d:] / vs).clamp(-448.0, 448.0)], dim=-1)
+    q = q.to(torch.float8_e4m3fn)
+    return q.view(torch.uint8) if as_uint8 else q
+
+
+def dequantize_kv(kv8, k_scale, v_scale):
+    """fp64 cache [blocks, Hkv, page, 2D] of an e4m3 one (float8_e4m3fn or
+    uint8 bytes): K = e4m3 x k_scale, V = e4m3 x v_scale, exact in fp64
+    (NaN bytes stay NaN)."""
+    import torch
+
+    ks, vs = _split_scales(k_scale, v_scale)
+    if kv8.dtype == torch.uint8:
+        kv8 = kv8.view(torch.float8_e4m3fn)
+    d = kv8.shape[-1] // 2
+    x = kv8.to(torch.float64)
+    return torch.cat([x[..., :d] * ks, x[..., d:] * vs], dim=-1)
+
+
+def head_errors(x, ref):
+    """Relative error of every (request, head) row of [B, H, D] outputs:
+    ||x - ref|| / ||ref|| over D in fp64 ([B, H]; 0 where both are 0)."""
+    import torch
+
+    diff = torch.linalg.vector_norm(x.double() - ref.double(), dim=-1)
+    norm = torch.linalg.vector_norm(ref.double(), dim=-1)
+    return torch.where(norm > 0, diff / norm.clamp_min(1e-300), torch.where(diff > 0, math.inf, 0.0))
 
 
 def rel_error(x, ref) -> float:
