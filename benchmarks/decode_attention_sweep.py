@@ -15,15 +15,12 @@ import argparse
 import contextlib
 
 import flintgen
-from benchmarks.decode_attention import shape_spec
 from flintgen.configs import decode_attention_config as dac
 from flintgen.configs.decode_attention_config import DecodeAttentionConfig as C
 
 FLINT = flintgen.get_preset("flint")
-TP2 = FLINT.replace(tp_size=2)
-WIDE = FLINT.replace(num_q_heads=64, num_kv_heads=8)
 FULL = dict(layer_types=("full",), sliding_window=None)
-SLIDE = dict(layer_types=("sliding",))
+
 
 def model_shape(q_heads, kv_heads, head_dim, window=None):
     """A full-attention (or, with ``window``, all-sliding) spec of one
@@ -33,65 +30,9 @@ def model_shape(q_heads, kv_heads, head_dim, window=None):
                          head_dim=head_dim, page_size=16, sinks=False, tp_size=1, **kinds)
 
 
-# Run 13: the head_dim-96 / -256 rules (derived by bytes) and long windows,
-# on the models benchmark's weak rows. d256: Gemma-3-1B 4/1 (1 pair at B=1, 8
-# at B=8), Gemma-2-9B 16/8 (8 pairs at B=1, 64 at B=8); d96: Phi-3-mini 32/32
-# (32 pairs at B=1) and its TP-4 rank 8/8 (8 pairs); d64: SmolLM2 32/32 at B=1.
-G3, G2, PHI3, PHI3_TP4, SMOL = (model_shape(4, 1, 256), model_shape(16, 8, 256), model_shape(32, 32, 96),
-                                model_shape(8, 8, 96), model_shape(32, 32, 64))
-
-
-def d256(splits, stages, cpsm=1, **kw):
-    return C(splits, 4, stages, 1, False, cpsm, 256, kw.pop("gqa", 4), **kw)
-
-
-def d96(splits, stages, min_pages, gqa=1, cpsm=2, **kw):
-    return C(splits, 4, stages, min_pages, False, cpsm, 96, gqa, **kw)
-
-
-M4 = dict(merge_ctas=4, merge_from=40)
-ONE_PAIR_256 = [d256(132, 2, **M4), d256(132, 2), d256(66, 2, **M4), d256(66, 3, **M4), d256(33, 3)]
-EIGHT_PAIRS_256 = [d256(16, 2, gqa=2), d256(16, 3, gqa=2), d256(8, 3, gqa=2), d256(33, 2, gqa=2, cpsm=0)]
-ROWS_13 = {
-    **{f"g3 4/1 d256 B=1 L={L // 1024}k": (G3, 1, L, None, ONE_PAIR_256) for L in (1024, 8192, 32768)},
-    "g3 4/1 d256 B=8 L=8k": (G3, 8, 8192, None, [d256(16, 2), d256(16, 3), d256(8, 3), d256(33, 2, cpsm=0)]),
-    **{f"g2 16/8 d256 B=1 L={L // 1024}k": (G2, 1, L, None, EIGHT_PAIRS_256) for L in (1024, 32768)},
-    "g2 16/8 d256 B=8 L=8k": (G2, 8, 8192, None, [d256(2, 3, gqa=2), d256(2, 2, gqa=2), d256(1, 3, gqa=2)]),
-    "g2 16/8 d256 B=1 L=32k w4096": (model_shape(16, 8, 256, 4096), 1, 32768, 4096, EIGHT_PAIRS_256),
-    "g3 4/1 d256 B=32 L=8k w1024": (model_shape(4, 1, 256, 1024), 32, 8192, 1024, [
-        d256(4, 3), d256(4, 2), d256(2, 3), d256(8, 2, cpsm=0)]),
-    **{f"phi3 32/32 d96 B=1 L={L // 1024}k": (PHI3, 1, L, None, [
-        d96(8, 4, 3), d96(8, 3, 2), d96(8, 4, 1), d96(4, 4, 3), d96(16, 3, 1, cpsm=0)]) for L in (1024, 32768)},
-    **{f"phi3-tp4 8/8 d96 B=1 L={L // 1024}k": (PHI3_TP4, 1, L, None, [
-        d96(33, 3, 1), d96(16, 3, 1), d96(33, 4, 1), d96(16, 4, 1, cpsm=1)]) for L in (1024, 32768)},
-    "smol 32/32 d64 B=1 L=1k": (SMOL, 1, 1024, None, [
-        C(8, 4, 6, 4, False, 2, 64, 1), C(8, 4, 6, 1, False, 2, 64, 1), C(8, 4, 4, 1, False, 2, 64, 1),
-        C(4, 4, 6, 1, False, 2, 64, 1)]),
-    # A window past the cluster band (33 slices) on the full-attention rule, Flint's 16/2 heads.
-    "16/2 d128 B=8 L=8k w512": (TP2.replace(**SLIDE, sliding_window=512), 8, 8192, 512, [
-        C(8, 8, 2, 2, False, 1), C(8, 8, 2, 1, False, 1), C(4, 8, 2, 1, False, 1), C(16, 4, 3, 1, False, 2)]),
-}
-
-
-# Run 14: min_pages 1 (as at <= 8 pairs) in the bands above, where run 13
-# found it faster at short contexts (d96 32 pairs, d64 32 pairs, a d128
-# window of 512 at 16 pairs); the same rows at 8k check nothing is lost.
-QWEN3, PHI3_TP2, OSS = model_shape(16, 8, 128), model_shape(16, 16, 96), model_shape(64, 8, 64)
-ROWS_14 = {
-    **{f"16/2 d128 B=8 L={L // 1024}k": (TP2.replace(**FULL), 8, L, None, [
-        C(8, 8, 2, 2, False, 1), C(8, 8, 2, 1, False, 1)]) for L in (1024, 8192)},
-    **{f"qwen3 16/8 d128 B=8 L={L // 1024}k": (QWEN3, 8, L, None, [
-        C(4, 4, 3, 2, False, 2, 128, 2), C(4, 4, 3, 1, False, 2, 128, 2)]) for L in (1024, 8192)},
-    **{f"phi3-tp2 16/16 d96 B=1 L={L // 1024}k": (PHI3_TP2, 1, L, None, [
-        C(16, 4, 3, 3, False, 2, 96, 1), C(16, 4, 3, 1, False, 2, 96, 1), C(8, 4, 4, 1, False, 1, 96, 1)])
-       for L in (1024, 32768)},
-    **{f"phi3 32/32 d96 B=1 L={L // 1024}k": (PHI3, 1, L, None, [
-        C(8, 4, 4, 1, False, 2, 96, 1), C(8, 4, 4, 2, False, 2, 96, 1)]) for L in (1024, 8192)},
-    **{f"smol 32/32 d64 B=1 L={L // 1024}k": (SMOL, 1, L, None, [
-        C(8, 4, 6, 4, False, 2, 64, 1), C(8, 4, 6, 1, False, 2, 64, 1)]) for L in (8192, 32768)},
-    **{f"oss 64/8 d64 B=4 L={L // 1024}k": (OSS, 4, L, None, [
-        C(8, 4, 6, 4, False, 2, 64, 8), C(8, 4, 6, 1, False, 2, 64, 8)]) for L in (1024, 8192)},
-}
+# Runs 13-14 (their rows and numbers: results/decode_attention_sweep.md) measured
+# the head_dim-96 / -256 rules, long windows and min_pages above 8 pairs.
+OSS = model_shape(64, 8, 64)     # gpt-oss 64/8 heads, head_dim 64
 
 # Run 15: head_dim 64 at 9..16 pairs (gpt-oss 64/8 at B=2), min_pages 4 vs 1.
 ROWS = {f"oss 64/8 d64 B=2 L={L // 1024}k": (OSS, 2, L, None, [

@@ -276,8 +276,10 @@ def _layer_kinds(cfg: dict[str, Any], mt: ModelType, problems: list[str]) -> tup
 
 
 def _switch(cfg: dict[str, Any], value: bool | str, default: bool) -> bool:
-    return value if isinstance(value, bool) else bool(cfg.get(value, default) if cfg.get(value) is not None
-                                                      else default)
+    """``value`` when the type's code fixes it, else the config key it names (``default`` when absent or null)."""
+    if isinstance(value, bool):
+        return value
+    return default if cfg.get(value) is None else bool(cfg[value])
 
 
 def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int = 1, page_size: int = 16,
@@ -303,7 +305,8 @@ def spec_from_hf_config(cfg: dict[str, Any] | str | os.PathLike, *, tp_size: int
                else "sinks, q/k norm, bias and layer kinds are unknown for it")
         problems.append(f"model_type {mt_name!r}: {why} (supported: {sorted(MODEL_TYPES) + sorted(TEXT_CONFIG_TYPES)})")
     mt = MODEL_TYPES.get(mt_name, ModelType())
-    cfg = {**dict(mt.defaults), **{k: v for k, v in cfg.items() if v is not None or k not in dict(mt.defaults)}}
+    defaults = dict(mt.defaults)
+    cfg = {**defaults, **{k: v for k, v in cfg.items() if v is not None or k not in defaults}}
     for req in ("hidden_size", "num_attention_heads"):
         if not isinstance(cfg.get(req), int):
             problems.append(f"{req}: missing or not an int ({cfg.get(req)!r})")

@@ -4,8 +4,8 @@ Provenance: written for flintgen's fused QKV GEMV.
 
 Rank 0 holds the head's bf16 rows ``head_rows[token][d]`` ([8, D] in shared
 memory, gathered from the cluster through DSMEM). Warp ``w`` finishes tokens
-``w, w + warps, ...`` (< M); the lanes split the head as ``Lanes`` (the
-rendered ``flintgen.configs.qkv_config.EpilogueLanes``) says: lane l owns P
+``w, w + warps, ...`` (< M); the lanes split the head as the rendered
+``flintgen.configs.qkv_config.EpilogueLanes`` says: lane l owns P
 rotary pairs (NeoX: elements [P l, P l + P) and their partners + R/2;
 interleaved: [2P l, 2P l + 2P)) and S pass-through elements [R + S l, ..)::
 
@@ -31,34 +31,15 @@ store per run of E. q is bf16 either way.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from flintgen.configs.qkv_config import EpilogueLanes
 from flintgen.device import kv_quant, ldst, ptx, rope
 from flintgen.device.reduce import warp_sum
 
 Q_EB = 2  # bytes per q element (bf16 whatever the cache holds)
-
-
-class Lanes(NamedTuple):
-    """The epilogue's lane mapping (compile-time; fields as
-    flintgen.configs.qkv_config.EpilogueLanes, rendered by the template):
-    head_dim D, rope_dim R (D without RoPE), interleaved pairing, P = pair_e
-    pairs on pair_lanes lanes, S = pass_e pass-through elements on pass_lanes
-    lanes (S = 0: none), v heads v_e elements per half on v_lanes lanes."""
-
-    head_dim: int
-    rope_dim: int
-    interleaved: bool
-    pair_e: int
-    pair_lanes: int
-    pass_e: int
-    pass_lanes: int
-    v_e: int
-    v_lanes: int
 
 
 def _clamp(lane, active: int):
@@ -68,19 +49,19 @@ def _clamp(lane, active: int):
     return cutlass.min(lane, Int32(active - 1))
 
 
-def pair_start(lane, lanes: Lanes):
+def pair_start(lane, lanes: EpilogueLanes):
     """First element of the lane's rotary run: P l (NeoX; its partners start at
     R/2 + P l) or 2P l (interleaved); clamped to the last active lane."""
     p = lanes.pair_e
     return _clamp(lane, lanes.pair_lanes) * (2 * p if lanes.interleaved else p)
 
 
-def pass_start(lane, lanes: Lanes):
+def pass_start(lane, lanes: EpilogueLanes):
     """First element of the lane's pass-through run: R + S l (clamped)."""
     return lanes.rope_dim + _clamp(lane, lanes.pass_lanes) * lanes.pass_e
 
 
-def load_norm_weights(norm_w, lane, lanes: Lanes, offset: int):
+def load_norm_weights(norm_w, lane, lanes: EpilogueLanes, offset: int):
     """The q/k norm factors of the lane's elements, fp32: ``(w[a] [P], w[b] [P],
     w[pass] [S])`` for pair elements a, b (see ``pair_start``) and the
     pass-through run; ``norm_w`` the bf16 weight's global address. Each is
@@ -100,7 +81,7 @@ def load_norm_weights(norm_w, lane, lanes: Lanes, offset: int):
 
 
 def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_slots, *,
-                    lanes: Lanes, warps: int, token_iters: int):
+                    lanes: EpilogueLanes, warps: int, token_iters: int):
     """Per token this warp finishes: ``(slot,)`` or, with RoPE (``cos_sin`` not
     None: fp32 ``[max_pos, R]`` cos | sin), ``(slot, cos[P], sin[P])`` of the
     lane's pairs (table columns [P l, P l + P) and R/2 + those). Issued right
@@ -149,7 +130,7 @@ def _store_run(dst, words, e: cutlass.Constexpr[int], eb: cutlass.Constexpr[int]
         ldst.stg_words_run(dst, words, e)
 
 
-def _e4m3_head(o1, o2, op, scale, lanes: Lanes):
+def _e4m3_head(o1, o2, op, scale, lanes: EpilogueLanes):
     """The lane's bf16 words of a k row (``finish_qk``) as e4m3 words of
     value / ``scale`` (``kv_quant.e4m3_run``), same runs."""
     p, s = lanes.pair_e, lanes.pass_e

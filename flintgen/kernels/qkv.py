@@ -150,7 +150,7 @@ class QKVDef(KernelDef):
             "is_nvfp4": p["weight_format"] == "nvfp4", "has_bias": p["bias"], "has_rope": p["rope"],
             "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
             "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
-            "pass_e": lanes.pass_e, "pass_lanes": lanes.pass_lanes, "v_e": lanes.v_e, "v_lanes": lanes.v_lanes,
+            "pass_e": lanes.pass_e, "pass_lanes": lanes.pass_lanes,
             "debug": p["debug"], "rows": p["rows"],
             "cluster": p["cluster"], "warps": p["warps"], "prefetch": p["prefetch"],
             "early_dequant": p["early_dequant"],
