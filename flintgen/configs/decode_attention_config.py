@@ -264,14 +264,16 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
 
 def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str) -> DecodeAttentionConfig:
     """The bf16 choice ``cfg`` for a cache of 1-byte elements. Derived by
-    bytes, unmeasured (no H200 timing of an fp8 variant yet):
+    bytes, unmeasured against other fp8 choices:
 
-    * stages: doubled (at most MAX_STAGES), so that a warp's ring keeps the
-      bf16 choice's bytes in flight (the rule head_dim 64 took from head_dim
-      128, which its measurements kept: ``_full_attention_d64``); ring bytes,
-      the shared-memory occupancy cap and the epilogue scratch are then those
-      of bf16 (fewer where the cap of 8 slots binds: bf16's 6-slot head_dim-64
-      rings become 8 slots of 2 KB).
+    * stages: the largest power of two <= 2x bf16's (at most MAX_STAGES):
+      2 -> 4, 3 -> 4, 4 -> 8, 6 -> 8. Doubling keeps the bf16 choice's bytes
+      in flight (the rule head_dim 64 took from head_dim 128, which its
+      measurements kept: ``_full_attention_d64``); rounding down keeps the
+      ring within bf16's bytes (so its shared-memory occupancy cap and
+      epilogue scratch still hold) and off 6 slots, where ptxas spills
+      (GQA 1 head_dim 64, single split and clustered, sliding: 80
+      registers, 16-24 bytes of stack; 4 and 8 slots compile clean).
     * splits, warps and the merges: unchanged (they follow the SMs, the
       pairs and the partials' bytes, which do not depend on the cache type).
     * min_pages (slices per warp from which a split is active): unchanged.
@@ -280,14 +282,12 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str) -> DecodeAttentionC
       bandwidth, decides at short contexts), and above 16 pairs 1 and 2
       measured equal.
     """
-    stages = min(MAX_STAGES, 2 * cfg.num_stages)
-    while True:
-        try:
-            return replace(cfg, kv_dtype=kv_dtype, num_stages=stages)
-        except ValueError:
-            if stages <= cfg.num_stages:
-                raise
-            stages -= 1
+    return replace(cfg, kv_dtype=kv_dtype, num_stages=fp8_stages(cfg.num_stages))
+
+
+def fp8_stages(bf16_stages: int) -> int:
+    """Ring slots of an fp8 variant whose bf16 twin has ``bf16_stages``."""
+    return min(MAX_STAGES, 1 << (2 * bf16_stages).bit_length() - 1)
 
 
 def _launch_config_bf16(*, batch: int, num_kv_heads: int, sliding: bool, window: int | None,
