@@ -120,6 +120,30 @@ def test_quantize_and_dequantize():
     assert torch.equal(deq[ok], both[ok])
 
 
+def test_head_errors_floor():
+    """Per-head errors are relative to the row, floored at a row of bf16's
+    smallest normal: zeros for an exact output of ~1e-42 (a sink taking all
+    the mass, as the H200 graph-replay test met with k_scale = 1) count as
+    nearly exact; zeros for an ordinary row, a small fraction off, a NaN and
+    an infinity count as they are."""
+    from flintgen.references.decode_attention import head_errors
+
+    ref = torch.randn(2, 3, 128, dtype=torch.float64)
+    ref[0, 1] *= 1e-42
+    out = ref.clone()
+    out[0, 1] = 0.0
+    e = head_errors(out, ref)
+    assert float(e[0, 1]) < 1e-3 and float(e.max()) == float(e[0, 1])
+    out[1, 2] = 0.0
+    out[1, 0] = ref[1, 0] * 1.01
+    e = head_errors(out, ref)
+    assert float(e[1, 2]) == 1.0 and abs(float(e[1, 0]) - 0.01) < 1e-9
+    out[0, 0, 5] = float("nan")
+    out[0, 2, 0] = float("inf")
+    e = head_errors(out, ref)
+    assert torch.isnan(e[0, 0]) and torch.isinf(e[0, 2])
+
+
 # ----------------------------------------------------------------- configs and variants
 @pytest.mark.parametrize("gqa, head_dim", PAIRS, ids=["g{}-d{}".format(*p) for p in PAIRS])
 def test_fp8_configs_by_bytes(gqa, head_dim):
