@@ -34,9 +34,30 @@ def model_shape(q_heads, kv_heads, head_dim, window=None):
 # the head_dim-96 / -256 rules, long windows and min_pages above 8 pairs.
 OSS = model_shape(64, 8, 64)     # gpt-oss 64/8 heads, head_dim 64
 
-# Run 15: head_dim 64 at 9..16 pairs (gpt-oss 64/8 at B=2), min_pages 4 vs 1.
-ROWS = {f"oss 64/8 d64 B=2 L={L // 1024}k": (OSS, 2, L, None, [
-    C(16, 4, 4, 4, False, 2, 64, 8), C(16, 4, 4, 1, False, 2, 64, 8)]) for L in (1024, 8192)}
+# Run 16: fp8 e4m3 caches where the derived rule (bf16's choice, ring slots
+# rounded to a power of two) lost to XQA-fp8 (results/decode_attention_fp8.md):
+# 64/8 d128 and gpt-oss 64/8 d64, bandwidth rows and window-128 rows.
+def _f8(*a, **kw):
+    return C(*a, **kw, kv_dtype="fp8_e4m3")
+
+
+W64 = model_shape(64, 8, 128).replace(kv_cache_dtype="fp8_e4m3")
+OSS8 = OSS.replace(kv_cache_dtype="fp8_e4m3")
+ROWS = {
+    "fp8 64/8 d128 B=128 L=8k": (W64, 128, 8192, None, [
+        _f8(1, 4, 4, 2, False, 2, 128, 8), _f8(1, 4, 3, 2, False, 2, 128, 8), _f8(1, 4, 5, 2, False, 2, 128, 8),
+        _f8(1, 4, 4, 2, False, 2, 128, 8)]),
+    "fp8 16/2 d128 B=128 L=8k": (model_shape(16, 2, 128).replace(kv_cache_dtype="fp8_e4m3"), 128, 8192, None, [
+        _f8(1, 4, 4, 2, False, 2, 128, 8), _f8(1, 4, 3, 2, False, 2, 128, 8), _f8(1, 4, 6, 2, False, 2, 128, 8)]),
+    "fp8 64/8 d128 B=32 w128": (W64.replace(layer_types=("sliding",), sliding_window=128), 32, 8192, 128, [
+        _f8(1, 4, 4, 1, False, 0, 128, 8), _f8(1, 4, 2, 1, False, 0, 128, 8), _f8(1, 4, 3, 1, False, 0, 128, 8),
+        _f8(1, 4, 2, 2, False, 0, 128, 8)]),
+    "fp8 oss 64/8 d64 B=64 w128": (OSS8.replace(layer_types=("sliding",), sliding_window=128), 64, 1024, 128, [
+        _f8(1, 4, 4, 1, False, 0, 64, 8), _f8(1, 4, 2, 1, False, 0, 64, 8), _f8(1, 4, 3, 1, False, 0, 64, 8)]),
+    "fp8 oss 64/8 d64 B=64 L=8k": (OSS8, 64, 8192, None, [
+        _f8(1, 4, 8, 1, False, 2, 64, 8), _f8(1, 4, 4, 1, False, 2, 64, 8), _f8(1, 4, 6, 1, False, 2, 64, 8),
+        _f8(1, 4, 3, 1, False, 2, 64, 8)]),
+}
 
 
 @contextlib.contextmanager
@@ -73,7 +94,9 @@ def build(shard: int = 0, shards: int = 1):
 
 
 def time_all(only: str = ""):
-    from benchmarks.decode_attention import Case
+    import torch
+
+    from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
     from benchmarks.harness import time_graph
 
     print("| row | config (splits, warps, stages, min_pages, cluster, ctas/SM) | µs | vs default |")
@@ -85,12 +108,21 @@ def time_all(only: str = ""):
         base_us = None
         for i, cfg in enumerate(cands):
             spec = _spec(row, i, base, batch)
+            fp8 = spec.kv_cache_dtype == "fp8_e4m3"
             with forced(cfg):
-                if case is None:
+                if case is None and fp8:   # e4m3 caches rotated as --fp8 rotates them (beyond L2)
+                    copies = fp8_copies(spec, batch, L, window, torch.cuda.get_device_properties(0).L2_cache_size)
+                    case = Fp8Case(spec.replace(kv_cache_dtype="bf16"), batch, [L] * batch, window, copies=copies)
+                elif case is None:
                     case = Case(spec, batch, [L] * batch, window)
-                case.spec = spec
                 flintgen.warmup(spec, ["decode_attention"])
-                us = min(time_graph(case.flintgen_fn())["median_us"] for _ in range(3))
+                if fp8:
+                    case.spec8 = spec
+                    fn = case.fp8_fn()
+                else:
+                    case.spec = spec
+                    fn = case.flintgen_fn()
+                us = min(time_graph(fn)["median_us"] for _ in range(3))
             base_us = base_us or us
             tag = " (default)" if i == 0 else ""
             print(f"| {row} | {tuple(cfg.as_params().values())}{tag} | {us:.2f} | {us / base_us:.2f}x |",

@@ -33,8 +33,8 @@ heads, so GQA 4 runs one tile with 4 padded heads and GQA 16 two tiles
 
 fp8 e4m3 caches (``kv_dtype``): slices are half the bytes (an e4m3 slice at
 head_dim 128 is the 4 KB of a bf16 one at head_dim 64); ``launch_config``
-takes the bf16 choice of the shape and re-derives it by bytes
-(``_fp8_by_bytes``, derived, unmeasured).
+takes the bf16 choice of the shape with bf16's ring slots (one fewer for
+sliding windows): ``_fp8_by_bytes``, measured on the rows it names.
 """
 
 from __future__ import annotations
@@ -254,40 +254,41 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
                   head_dim: int, gqa: int, page_size: int, num_sms: int,
                   kv_dtype: str = "bf16") -> DecodeAttentionConfig:
     """The configuration for a static batch size: the bf16 rule
-    (``_launch_config_bf16``), re-derived by bytes for an fp8 cache
-    (``_fp8_by_bytes``)."""
+    (``_launch_config_bf16``), adjusted for an fp8 cache (``_fp8_by_bytes``)."""
     check_supported(head_dim=head_dim, gqa=gqa, page_size=page_size, kv_dtype=kv_dtype)
     cfg = _launch_config_bf16(batch=batch, num_kv_heads=num_kv_heads, sliding=sliding, window=window,
                               head_dim=head_dim, gqa=gqa, page_size=page_size, num_sms=num_sms)
-    return cfg if kv_dtype == "bf16" else _fp8_by_bytes(cfg, kv_dtype)
+    return cfg if kv_dtype == "bf16" else _fp8_by_bytes(cfg, kv_dtype, sliding)
 
 
-def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str) -> DecodeAttentionConfig:
-    """The bf16 choice ``cfg`` for a cache of 1-byte elements. Derived by
-    bytes, unmeasured against other fp8 choices:
+def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool) -> DecodeAttentionConfig:
+    """The bf16 choice ``cfg`` for a cache of 1-byte elements (half the slice
+    bytes, the same fragment registers). H200, fp8 e4m3, sweep run 16
+    (results/decode_attention_sweep.md):
 
-    * stages: the largest power of two <= 2x bf16's (at most MAX_STAGES):
-      2 -> 4, 3 -> 4, 4 -> 8, 6 -> 8. Doubling keeps the bf16 choice's bytes
-      in flight (the rule head_dim 64 took from head_dim 128, which its
-      measurements kept: ``_full_attention_d64``); rounding down keeps the
-      ring within bf16's bytes (so its shared-memory occupancy cap and
-      epilogue scratch still hold) and off 6 slots, where ptxas spills
-      (GQA 1 head_dim 64, single split and clustered, sliding: 80
-      registers, 16-24 bytes of stack; 4 and 8 slots compile clean).
-    * splits, warps and the merges: unchanged (they follow the SMs, the
-      pairs and the partials' bytes, which do not depend on the cache type).
-    * min_pages (slices per warp from which a split is active): unchanged.
-      By bytes it would double, but head_dim 64's 4 KB slices (an fp8 head_dim
-      128 slice's bytes) measured best at 1 where bytes said 4 (latency, not
-      bandwidth, decides at short contexts), and above 16 pairs 1 and 2
-      measured equal.
+    * stages: bf16's (fewer bytes in flight; bandwidth rows do not need
+      more): 64/8 d128 B=128 x 8k 3 / 4 / 5 slots 528.7 / 525.3 / 528.3 us,
+      8 slots 719 (one CTA per SM left); 16/2 d128 B=128 x 8k 3 / 4 / 6:
+      131.8 / 133.4 / 134.1; gpt-oss 64/8 d64 B=64 x 8k 3 / 4 / 6 / 8:
+      164.6 / 164.9 / 166.9 / 171.6.
+    * sliding windows: one slot fewer, at least 2 (latency-bound: a smaller
+      ring leaves room for more CTAs per SM): 64/8 d128 B=32 window 128
+      2 / 3 / 4 slots 6.19 / 6.87 / 6.94 us, gpt-oss 64/8 d64 B=64 window
+      128 5.67 / 6.32 / 6.44.
+    * splits, warps, min_pages and the merges: bf16's (64/8 B=128: 2 splits
+      537 us, 8 warps 540 against 525; window 128: 8 warps 8.34, 2-CTA
+      clusters 9.67 against 7.03).
+    * more slots where the epilogue's scratch (which reuses the ring) needs
+      them: up to bf16's ring bytes (twice its slots), which always fit.
     """
-    return replace(cfg, kv_dtype=kv_dtype, num_stages=fp8_stages(cfg.num_stages))
-
-
-def fp8_stages(bf16_stages: int) -> int:
-    """Ring slots of an fp8 variant whose bf16 twin has ``bf16_stages``."""
-    return min(MAX_STAGES, 1 << (2 * bf16_stages).bit_length() - 1)
+    stages = max(2, cfg.num_stages - 1) if sliding else cfg.num_stages
+    while True:
+        try:
+            return replace(cfg, kv_dtype=kv_dtype, num_stages=stages)
+        except ValueError:
+            if stages >= 2 * cfg.num_stages:
+                raise
+            stages += 1
 
 
 def _launch_config_bf16(*, batch: int, num_kv_heads: int, sliding: bool, window: int | None,
