@@ -38,7 +38,7 @@ SUPPORTED_ROPE_STYLES = ("neox", "interleaved", "none")
 SUPPORTED_ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 ROPE_LIST_PARAMS = ("short_factor", "long_factor")  # longrope's per-frequency factors: rotary_dim / 2 numbers
 LAYER_TYPES = ("sliding", "full")
-MAX_TOKENS_LIMIT = 8  # fused-QKV GEMV: the cluster design holds at most 8 token rows
+MAX_TOKENS_LIMIT = 64  # fused-QKV GEMV: its largest token tile (flintgen.configs.qkv_config.TOKEN_TILES)
 
 
 def _fail(field_name: str, value: Any, supported: str, fix: str) -> ValueError:

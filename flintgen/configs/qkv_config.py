@@ -6,8 +6,14 @@ CTAs of ``rows`` weight rows each; inside a CTA ``warps`` warps split K in
 weights of ``prefetch`` steps in flight in registers, the first batch issued
 before ``griddepcontrol.wait`` so it streams while the RMSNorm kernel runs.
 
-Shared memory (``QKVSmem``): xn's MAX_M token rows, staged whole or, where
-the whole rows do not fit a CTA (hidden above about 13k), in K-chunks.
+Token tiles (``TOKEN_TILES``): a binary serves M tokens up to its tile
+``max_m`` (8, 16, 32 or 64; the tile of M is ``token_tile(M)``): the MMA's N
+is 8 tokens, so a thread keeps ``max_m / 8`` n-tiles of accumulators per
+16-row weight tile.
+
+Shared memory (``QKVSmem``): xn's ``max_m`` token rows, staged whole or, where
+the whole rows do not fit a CTA (M <= 8: hidden above about 13k; larger tiles
+much earlier), in K-chunks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,27 @@ EARLY_DEQUANT_REG_BUDGET = 88
 # Hidden sizes of the fused QKV step (the GEMV's and the RMSNorm's): multiples
 # of K_STEP in this range, compiled spill-free (tests/test_qkv_grid.py).
 HIDDEN_RANGE = (512, 16384)
+MMA_N = 8                       # tokens per MMA (mma.m16n8k16's N)
+TOKEN_TILES = (8, 16, 32, 64)   # max_m of the GEMV binaries: M tokens run the binary of token_tile(M)
+if TOKEN_TILES[-1] != MAX_TOKENS_LIMIT:
+    raise AssertionError(f"qkv_config.TOKEN_TILES ends at {TOKEN_TILES[-1]}, spec.MAX_TOKENS_LIMIT is "
+                         f"{MAX_TOKENS_LIMIT}: keep them equal")
+
+
+def token_tile(m: int) -> int:
+    """The smallest token tile holding ``m`` tokens (the binary M runs)."""
+    for tile in TOKEN_TILES:
+        if m <= tile:
+            return tile
+    raise ValueError(f"M = {m} tokens exceeds the largest token tile of the fused QKV GEMV "
+                     f"({TOKEN_TILES[-1]}): split the batch into chunks of <= {TOKEN_TILES[-1]} tokens")
+
+
+def token_tiles(max_tokens: int) -> tuple[int, ...]:
+    """The token tiles a spec of ``max_tokens`` needs: every tile up to ``token_tile(max_tokens)``
+    (one binary each; 8 alone for max_tokens <= 8)."""
+    last = token_tile(max_tokens)
+    return tuple(t for t in TOKEN_TILES if t <= last)
 
 
 def check_hidden(hidden: int) -> None:
@@ -71,6 +98,20 @@ class QKVConfig:
         return 32 * self.warps
 
     @staticmethod
+    def chains(max_m: int, steps_per_warp: int) -> int:
+        """Accumulator chains (even / odd steps, added at the end): 2 for the
+        8-token tile with more than one step per warp, halving the dependent-HMMA
+        chain of its TILES accumulators (measured, see from_heuristic); 1 for
+        larger tiles, whose max_m / 8 n-tiles are independent accumulators
+        already (unmeasured)."""
+        return 2 if max_m == MMA_N and steps_per_warp > 1 else 1
+
+    @classmethod
+    def acc_regs(cls, tiles: int, max_m: int, steps_per_warp: int) -> int:
+        """fp32 accumulator registers per thread: 4 per (chain, 16-row tile, 8-token n-tile)."""
+        return cls.chains(max_m, steps_per_warp) * tiles * (max_m // MMA_N) * 4
+
+    @staticmethod
     def regs_per_step(weight_format: str, tiles: int) -> int:
         """Registers one step of weights takes per thread: rows g, g+8 of each
         tile; NVFP4 = 2 words + 1 scale byte per row, bf16 = 8 words per row."""
@@ -88,7 +129,8 @@ class QKVConfig:
         return e
 
     @classmethod
-    def from_heuristic(cls, hidden: int, head_dim: int, weight_format: str) -> "QKVConfig":
+    def from_heuristic(cls, hidden: int, head_dim: int, weight_format: str,
+                       max_m: int = MMA_N) -> "QKVConfig":
         """Measured on an H200 (benchmarks/results/qkv_correctness.md; GEMV
         kernel alone, CUDA-graph replay, weights rotating beyond L2):
 
@@ -129,15 +171,28 @@ class QKVConfig:
         if cluster > MAX_CLUSTER:
             raise ValueError(f"head_dim = {head_dim} needs {cluster} CTAs of {rows} rows per head, "
                              f"over the portable cluster limit of {MAX_CLUSTER}")
+        if max_m not in TOKEN_TILES:
+            raise ValueError(f"qkv: max_m = {max_m} is not a token tile: use one of {list(TOKEN_TILES)} "
+                             "(token_tile(M))")
         warps = 8
+        tiles = rows // 16
         per_warp = -(-(hidden // K_STEP) // warps)
-        prefetch = max(1, min(per_warp, PREFETCH_REG_BUDGET // cls.regs_per_step(weight_format, rows // 16)))
-        early = cls.early_steps(prefetch, rows // 16) if weight_format == "nvfp4" and rows == 32 else 0
+        budget = cls.weight_reg_budget(tiles, max_m, per_warp)
+        prefetch = max(1, min(per_warp, budget // cls.regs_per_step(weight_format, tiles)))
+        early = (cls.early_steps(prefetch, tiles)
+                 if weight_format == "nvfp4" and rows == 32 and max_m == MMA_N else 0)
         return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch, early_dequant=early)
+
+    @classmethod
+    def weight_reg_budget(cls, tiles: int, max_m: int, steps_per_warp: int) -> int:
+        """Registers per thread for in-flight weights: PREFETCH_REG_BUDGET for
+        the 8-token tile (measured); larger tiles give up what their
+        accumulators take beyond the 8-token tile's (unmeasured)."""
+        extra = cls.acc_regs(tiles, max_m, steps_per_warp) - cls.acc_regs(tiles, MMA_N, steps_per_warp)
+        return PREFETCH_REG_BUDGET - max(0, extra)
 
 
 # ---------------------------------------------------------------- shared memory
-MAX_M = MAX_TOKENS_LIMIT  # token rows the GEMV stages (one MMA's N)
 XS_PAD = 16               # bytes after each staged xn row: rows g, g + 1 of a 16-byte access phase
                           # land on different banks
 RED_PAD = 4               # fp32 after each token's rows in the cross-warp buffer: no bank conflicts
@@ -153,13 +208,14 @@ class QKVSmem:
     """Shared memory of one GEMV CTA, in the template's allocation order
     (SmemAllocator places each buffer at the next multiple of its alignment):
     ``red`` (the warps' fp32 partial rows, 16-aligned), ``head_rows`` (rank
-    0's bf16 rows of the head, 16), ``xs`` (xn's MAX_M rows, 128) and the two
-    mbarriers (8).
+    0's bf16 rows of the head, 16), ``xs`` (xn's ``max_m`` rows, 128) and the
+    two mbarriers (8); ``red`` and ``head_rows`` hold ``max_m`` tokens too.
 
     xn is staged in ``chunks`` K-chunks of ``chunk_steps`` 64-value steps:
     one chunk (the whole row) wherever it fits, which is every hidden size up
-    to about 13k; above that rank 0 multicasts chunk c + 1 into the same
-    buffer once every CTA of the cluster is done with chunk c (a cluster
+    to about 13k for the 8-token tile (16: about 6k, 32: about 2.5k, 64:
+    none from 1024 up); beyond that rank 0 multicasts chunk c + 1 into the
+    same buffer once every CTA of the cluster is done with chunk c (a cluster
     barrier). A chunk of a chunked plan is a multiple of ``warps`` steps, so
     each warp's steps of a chunk are consecutive iterations of its loop.
     """
@@ -169,8 +225,11 @@ class QKVSmem:
     rows: int
     warps: int
     chunk_steps: int
+    max_m: int = MMA_N   # the token tile (TOKEN_TILES)
 
     def __post_init__(self) -> None:
+        if self.max_m not in TOKEN_TILES:
+            raise ValueError(f"QKVSmem.max_m = {self.max_m} is not a token tile: use one of {list(TOKEN_TILES)}")
         steps = self.hidden // K_STEP
         if self.hidden % K_STEP or steps < 1:
             raise ValueError(f"QKVSmem: hidden = {self.hidden} must be a positive multiple of {K_STEP}")
@@ -179,8 +238,8 @@ class QKVSmem:
                              f"or a multiple of warps = {self.warps} below it")
         if self.total_bytes > SMEM_PER_CTA_MAX:
             raise ValueError(f"QKVSmem: {self.total_bytes} bytes of shared memory per CTA (hidden {self.hidden}, "
-                             f"head_dim {self.head_dim}, rows {self.rows}, warps {self.warps}, xn chunks of "
-                             f"{self.chunk_steps} steps) exceed the {SMEM_PER_CTA_MAX} a CTA may opt into: "
+                             f"head_dim {self.head_dim}, rows {self.rows}, warps {self.warps}, max_m {self.max_m}, "
+                             f"xn chunks of {self.chunk_steps} steps) exceed the {SMEM_PER_CTA_MAX} a CTA may opt into: "
                              "stage xn in smaller chunks (QKVSmem.plan) or use fewer warps")
 
     @property
@@ -209,15 +268,15 @@ class QKVSmem:
 
     @property
     def red_bytes(self) -> int:
-        return self.warps * MAX_M * self.red_stride * 4
+        return self.warps * self.max_m * self.red_stride * 4
 
     @property
     def head_rows_bytes(self) -> int:
-        return MAX_M * self.head_dim * 2
+        return self.max_m * self.head_dim * 2
 
     @property
     def xs_bytes(self) -> int:
-        return MAX_M * self.xs_stride
+        return self.max_m * self.xs_stride
 
     @property
     def offsets(self) -> dict[str, int]:
@@ -232,14 +291,14 @@ class QKVSmem:
         return self.offsets["mbar"] + MBAR_BYTES
 
     @classmethod
-    def plan(cls, hidden: int, head_dim: int, rows: int, warps: int) -> "QKVSmem":
+    def plan(cls, hidden: int, head_dim: int, rows: int, warps: int, max_m: int = MMA_N) -> "QKVSmem":
         """The whole row where it fits, else the fewest chunks that fit
         (balanced, each rounded up to a multiple of ``warps`` steps)."""
         if hidden % K_STEP or hidden < K_STEP:
             raise ValueError(f"hidden_size = {hidden} is not supported by the fused QKV GEMV: it must be a "
                              f"positive multiple of {K_STEP} (one 64-value step per quad); pad the hidden size")
         steps = hidden // K_STEP
-        whole = dict(hidden=hidden, head_dim=head_dim, rows=rows, warps=warps, chunk_steps=steps)
+        whole = dict(hidden=hidden, head_dim=head_dim, rows=rows, warps=warps, chunk_steps=steps, max_m=max_m)
         if cls._fits(whole):
             return cls(**whole)
         for chunks in range(2, steps // warps + 1):

@@ -1,14 +1,17 @@
 """Fragment math of the skinny GEMV ``out[n, m] = sum_k W[n, k] x[m, k]`` for
-M <= 8 tokens on ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate).
+M <= 64 tokens on ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate).
 
 Provenance: written for flintgen's fused QKV GEMV.
 
-Mapping: weight rows are the MMA's M (16 rows per tile), tokens its N (8), so
-one MMA covers every token of a decode step. The K order inside an MMA is free
-(it is a sum), so each thread feeds contiguous data: a quad ``t = lane % 4``
-covers 64 consecutive k per step, thread ``t`` the 16 values
-``[16 t, 16 t + 16)`` of rows ``g, g + 8`` (``g = lane / 4``) and of token ``g``;
-those 16 values are 4 MMAs of 4 values each::
+Mapping: weight rows are the MMA's M (16 rows per tile), tokens its N (8):
+one MMA covers 8 tokens (an n-tile), a token tile of ``max_m`` tokens takes
+``max_m / 8`` n-tiles, each multiplying the same A (weight) fragments with its
+own B (activation) fragments into its own accumulators. The K order inside an
+MMA is free (it is a sum), so each thread feeds contiguous data: a quad
+``t = lane % 4`` covers 64 consecutive k per step, thread ``t`` the 16 values
+``[16 t, 16 t + 16)`` of rows ``g, g + 8`` (``g = lane / 4``) and of token
+``g`` of each n-tile (token ``8 nt + g``); those 16 values are 4 MMAs of 4
+values each::
 
     MMA k-slot          2t, 2t+1        2t+8, 2t+9
     bf16 weights j      values 4j,4j+1  values 4j+2,4j+3      (words 2j, 2j+1)
@@ -16,8 +19,8 @@ those 16 values are 4 MMAs of 4 values each::
 
 The NVFP4 pairing (nibbles i and i+4 of a 32-bit word share a register, see
 ``nvfp4.e2m1x8_to_bf16x2``) is mirrored on the activations with one ``prmt``
-per register. Accumulator ``c`` of a tile: ``c0, c1`` = row g, tokens 2t, 2t+1;
-``c2, c3`` = row g+8, same tokens.
+per register. Accumulator ``c`` of a tile and n-tile ``nt``: ``c0, c1`` = row
+g, tokens 8 nt + 2t, 8 nt + 2t + 1; ``c2, c3`` = row g+8, same tokens.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def mma4(acc, a, b):
 
 # ---------------------------------------------------------------- one warp step
 # Trace-time helpers of the main loop (straight-line code, no control flow).
-# A step is 64 k; ``tiles`` 16-row MMA tiles; ``row_bytes`` one weight row.
+# A step is 64 k; ``tiles`` 16-row MMA tiles; ``row_bytes`` one weight row;
+# accumulators ``acc[tile][n_tile]`` (4 Float32 each), activations ``xws[n_tile]``.
 def load_weights_nvfp4(weight, weight_scale, row0, s, g, t, pred, *, tiles: int, row_bytes: int,
                        k_steps: int):
     """Step ``s`` of rows g, g+8 of every tile: per tile (2 words, 2 words,
@@ -128,12 +132,15 @@ def fold(bufs):
     return regs[0]
 
 
-def step_nvfp4(acc, wts, xw):
-    """The 4 MMAs of one step for every tile; ``wts`` raw or already dequantized."""
-    b = act_fragments_nvfp4(xw)
+def step_nvfp4(acc, wts, xws):
+    """The 4 MMAs of one step for every tile and n-tile (``xws``: each n-tile's
+    8 activation words); ``wts`` raw or already dequantized."""
+    bs = [act_fragments_nvfp4(xw) for xw in xws]
     a = wts if isinstance(wts[0], list) else dequant(wts)
-    return [mma4(acc[rt], a[rt], b) for rt in range(len(a))]
+    return [[mma4(acc[rt][nt], a[rt], b) for nt, b in enumerate(bs)] for rt in range(len(a))]
 
 
-def step_bf16(acc, wts, xw):
-    return [mma4(acc[rt], a_fragments_bf16(w_g, w_g8), xw) for rt, (w_g, w_g8) in enumerate(wts)]
+def step_bf16(acc, wts, xws):
+    """The 4 MMAs of one step for every tile and n-tile."""
+    return [[mma4(acc[rt][nt], a_fragments_bf16(w_g, w_g8), xw) for nt, xw in enumerate(xws)]
+            for rt, (w_g, w_g8) in enumerate(wts)]

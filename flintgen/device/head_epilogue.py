@@ -2,7 +2,7 @@
 
 Provenance: written for flintgen's fused QKV GEMV.
 
-Rank 0 holds the head's bf16 rows ``head_rows[token][d]`` ([8, D] in shared
+Rank 0 holds the head's bf16 rows ``head_rows[token][d]`` ([max_m, D] in shared
 memory, gathered from the cluster through DSMEM). Warp ``w`` finishes tokens
 ``w, w + warps, ...`` (< M); the lanes split the head as the rendered
 ``flintgen.configs.qkv_config.EpilogueLanes`` says: lane l owns P

@@ -9,7 +9,7 @@ partial rotary) and the paged KV-cache write.
 
 Shapes (per tensor-parallel rank; D = head_dim, N = (q_heads + 2 kv_heads) D):
 
-    x, residual      [M, hidden] bf16, M <= 8 (residual None on the first layer:
+    x, residual      [M, hidden] bf16, M <= spec.max_tokens (at most 64; residual None on the first layer:
                      residual_out is then x itself)
     norm_weight      [hidden] bf16
     weight           bf16 [N, hidden], or NVFP4 packed uint8 [N, hidden/2]
@@ -48,7 +48,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from flintgen import layout
-from flintgen.configs.qkv_config import HIDDEN_RANGE, MAX_M, EpilogueLanes, QKVConfig, QKVSmem
+from flintgen.configs.qkv_config import (HIDDEN_RANGE, K_STEP, MMA_N, EpilogueLanes, QKVConfig, QKVSmem, token_tile,
+                                         token_tiles)
 from flintgen.kernels import checks
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
 from flintgen.spec import MAX_TOKENS_LIMIT, Spec
@@ -68,7 +69,7 @@ def _roundup(x: int, m: int) -> int:
 class QKVDef(KernelDef):
     name = "qkv"
     template = "qkv_gemv.py.j2"
-    description = ("fused QKV GEMV (bf16 / NVFP4, M <= 8) with q/k RMSNorm, RoPE (NeoX / interleaved, "
+    description = ("fused QKV GEMV (bf16 / NVFP4, M <= 64 in token tiles of 8 / 16 / 32 / 64) with q/k RMSNorm, RoPE (NeoX / interleaved, "
                    "partial rotary) and the paged KV-cache write; clusters per head, DSMEM, PDL")
     # What the design needs in every variant's PTX (tests/test_compile.py).
     required_ptx = (
@@ -79,20 +80,25 @@ class QKVDef(KernelDef):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
     )
 
-    def config(self, spec: Spec) -> QKVConfig:
-        return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format)
+    def config(self, spec: Spec, max_m: int = MMA_N) -> QKVConfig:
+        return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m)
 
-    def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | None = None) -> Variant:
-        """The binary for ``spec``; ``debug`` adds the pre-norm output; ``config``
-        overrides the heuristic (benchmark sweeps)."""
-        cfg = config or self.config(spec)
+    def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | None = None,
+                max_m: int = MMA_N) -> Variant:
+        """The binary of token tile ``max_m`` (8, 16, 32, 64: it serves M <= max_m)
+        for ``spec``; ``debug`` adds the pre-norm output; ``config`` overrides the
+        heuristic (benchmark sweeps)."""
+        cfg = config or self.config(spec, max_m)
         # The shared-memory plan of this launch (whole xn rows, or K-chunks where they
         # do not fit a CTA); raises if not even chunks fit.
-        QKVSmem.plan(spec.hidden_size, spec.head_dim, cfg.rows, cfg.warps)
+        QKVSmem.plan(spec.hidden_size, spec.head_dim, cfg.rows, cfg.warps, max_m)
         if cfg.rows * cfg.cluster != spec.head_dim:
             raise ValueError(f"qkv config rows {cfg.rows} x cluster {cfg.cluster} must cover head_dim = "
                              f"{spec.head_dim} (one cluster per head): use cluster = {spec.head_dim // cfg.rows}")
+        # Keys the first binaries predate stay out of their names: bf16 caches, the 8-token tile.
         extra = {} if spec.kv_cache_dtype == "bf16" else {"kv_dtype": spec.kv_cache_dtype}
+        if max_m != MMA_N:
+            extra["max_m"] = max_m
         return Variant.of(
             self.name, **extra, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
             kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim,
@@ -129,9 +135,10 @@ class QKVDef(KernelDef):
             raise ValueError(f"kernel qkv (spec {spec.name!r}): {e}") from None
 
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
+        """One binary per token tile up to spec.max_tokens' (just the 8-token one
+        for max_tokens <= 8). The debug variants (pre-norm rows) are built on demand only."""
         self.check_limits(spec)
-        # The debug variant (pre-norm rows) is built on demand only.
-        return [self.variant(spec)]
+        return [self.variant(spec, max_m=t) for t in token_tiles(spec.max_tokens)]
 
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
         p = dict(variant.params)
@@ -140,10 +147,12 @@ class QKVDef(KernelDef):
             raise ValueError(f"qkv variant {variant.name} lacks parameters {missing}")
         n_rows = (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"]
         kv = layout.kv_dtype(p.get("kv_dtype", "bf16"))  # bf16 variants predate the key: their names stay
-        sm = QKVSmem.plan(p["hidden"], p["head_dim"], p["rows"], p["warps"])
+        max_m = p.get("max_m", MMA_N)   # the 8-token tile's variants predate the key
+        sm = QKVSmem.plan(p["hidden"], p["head_dim"], p["rows"], p["warps"], max_m)
+        per_warp = -(-(p["hidden"] // K_STEP) // p["warps"])
         lanes = EpilogueLanes.of(p["head_dim"], p["rope_dim"] if p["rope"] else p["head_dim"], p["interleaved"])
         return {
-            "max_m": MAX_M, "xn_chunks": sm.chunks, "chunk_steps": sm.chunk_steps,
+            "max_m": max_m, "chains": QKVConfig.chains(max_m, per_warp), "xn_chunks": sm.chunks, "chunk_steps": sm.chunk_steps,
             "chunk_row_bytes": sm.chunk_row_bytes, "xs_stride": sm.xs_stride, "red_stride": sm.red_stride,
             "hidden": p["hidden"], "q_heads": p["q_heads"], "kv_heads": p["kv_heads"],
             "head_dim": p["head_dim"], "n_rows": n_rows, "weight_format": p["weight_format"],
@@ -172,7 +181,12 @@ class QKVOp:
     [M, hidden]), ``residual_out`` (may be ``residual``: in-place update);
     ``pre_norm_out`` [M, N] bf16 selects the debug binary, which also writes
     the GEMV's rows before q/k norm and RoPE. ``config`` overrides the launch
-    heuristic (tests and benchmark sweeps).
+    heuristic of every token tile (tests and benchmark sweeps).
+
+    One GEMV binary per token tile up to spec.max_tokens' (``variants()``): M
+    tokens run the binary of ``token_tile(M)``, whose launch shape (grid, block,
+    cluster, shared memory) depends on that tile alone, so a CUDA graph captured
+    at one M replays that binary with M as a kernel argument.
     """
 
     name = "qkv"
@@ -183,8 +197,10 @@ class QKVOp:
         self.target = target
         self._def = kdef
         self._load = load
-        self._variant = kdef.variant(spec, config=config)
-        self._debug_variant = kdef.variant(spec, debug=True, config=config)
+        self.tiles = token_tiles(spec.max_tokens)
+        self._variants = {t: kdef.variant(spec, config=config, max_m=t) for t in self.tiles}
+        # debug binaries: built on the first call with pre_norm_out
+        self._debug_variants = {t: kdef.variant(spec, debug=True, config=config, max_m=t) for t in self.tiles}
         self._norm = None
         h = spec.head_dim
         self.hidden = spec.hidden_size
@@ -211,7 +227,8 @@ class QKVOp:
         return self._norm
 
     def variants(self) -> list[Variant]:
-        return [self._variant]
+        """The production binaries, one per token tile."""
+        return list(self._variants.values())
 
     # ------------------------------------------------------------------ validation
     def _check_m(self, x) -> int:
@@ -222,14 +239,15 @@ class QKVOp:
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must have shape [M, {self.hidden}] (M tokens x hidden), got {tuple(x.shape)}")
         m = x.shape[0]
-        limit = min(self.max_tokens, MAX_TOKENS_LIMIT)
-        if m > limit:
+        if m > self.max_tokens:
             raise ValueError(
-                f"M = {m} tokens exceeds the fused QKV limit of {limit} (spec.max_tokens = "
-                f"{self.max_tokens}; the cluster GEMV holds at most {MAX_TOKENS_LIMIT} token rows): "
-                f"split the batch into chunks of <= {limit} tokens, or use an unfused path for "
-                "large M (rms_norm + a GEMM such as torch.nn.functional.linear on the "
-                "dequantized weight, then q/k norm, RoPE and the cache write)")
+                f"M = {m} tokens exceeds spec.max_tokens = {self.max_tokens} of the fused QKV step "
+                f"(spec {self.spec.name!r}; its binaries serve M <= {self.max_tokens}): build the spec "
+                f"with a larger max_tokens (up to {MAX_TOKENS_LIMIT}: spec.replace(max_tokens=...), "
+                "flintgen build --max-tokens N), split the batch into chunks of "
+                f"<= {self.max_tokens} tokens, or use an unfused path for larger M (rms_norm + a GEMM "
+                "such as torch.nn.functional.linear on the dequantized weight, then q/k norm, RoPE "
+                "and the cache write)")
         if m == 0:
             raise ValueError("x has M = 0 tokens: nothing to compute (skip the call)")
         return m
@@ -474,13 +492,15 @@ class QKVOp:
             args.append(pre_norm_out)
         if self.spec.qk_norm:
             args.append(qk_eps)
-        fn = self._load(self._debug_variant if pre_norm_out is not None else self._variant)
+        tile = token_tile(m)
+        fn = self._load((self._debug_variants if pre_norm_out is not None else self._variants)[tile])
         fn(*args)
         return q, res_out
 
     def warmup(self, device) -> None:
-        """Load both kernels and run the GEMV once on zero-filled inputs (module
-        load happens on the first call, which must precede a graph capture)."""
+        """Load both kernels and run every GEMV binary (one per token tile, at M =
+        1 and at M = each larger tile) on zero-filled inputs (module load happens
+        on the first call, which must precede a graph capture)."""
         import torch
 
         from flintgen.quant import rope_table
@@ -488,7 +508,6 @@ class QKVOp:
         dev = torch.device(device)
         h, d, n = self.hidden, self.head_dim, self.n_rows
         bf = dict(dtype=torch.bfloat16, device=dev)
-        x = torch.zeros(1, h, **bf)
         if self.is_nvfp4:
             w = torch.zeros(n, h // 2, dtype=torch.uint8, device=dev)
             ws = torch.zeros(_roundup(n, 128), _roundup(h // 16, 4), dtype=torch.uint8, device=dev)
@@ -499,12 +518,20 @@ class QKVOp:
         cs = rope_table(self.spec, 1, dev) if self.rope else None
         kv_t = getattr(torch, layout.kv_dtype(self.spec.kv_cache_dtype).torch_dtype)
         cache = torch.zeros(1, 16, self.kv_heads, d, dtype=torch.uint8 if self.kv_fp8 else kv_t, device=dev)
-        pos = torch.zeros(1, dtype=torch.int64, device=dev)
         slots = torch.full((1,), -1, dtype=torch.int64, device=dev)
         b = torch.zeros(n, **bf) if self.spec.qkv_bias else None
         sc = {}
         if self.kv_fp8:
             one = torch.ones(1, dtype=torch.float32, device=dev)
             sc = dict(k_scale=one, v_scale=one)
-        self(x, None, torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b, **sc)
-        self(x, x.clone(), torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache, cache.clone(), slots, b, **sc)
+
+        def run(m: int, residual: bool) -> None:
+            x = torch.zeros(m, h, **bf)
+            pos = torch.zeros(m, dtype=torch.int64, device=dev)
+            self(x, x.clone() if residual else None, torch.ones(h, **bf), w, ws, gs, nw, nw, cs, pos, cache,
+                 cache.clone(), slots, b, **sc)
+
+        run(1, False)        # rms_norm without a residual, the 8-token tile
+        run(1, True)         # rms_norm with one
+        for tile in self.tiles[1:]:
+            run(tile, False)
