@@ -24,7 +24,7 @@ from flintgen import cache, toolchain
 from flintgen._version import __version__
 from flintgen.kernels import KERNELS, get_def
 from flintgen.knobs import MAX_NUM_SMS, check_all, knobs
-from flintgen.spec import SUPPORTED_KV_DTYPES, Spec
+from flintgen.spec import MAX_TOKENS_LIMIT, SUPPORTED_KV_DTYPES, Spec
 
 MAX_JOBS = 128
 #: Exceptions that mean the user's input is wrong (exit 2); anything else is internal (exit 1).
@@ -91,20 +91,23 @@ class _Main(click.Group):
 
 def _load_spec(preset: str | None, spec_file: str | None, hf_config: str | None = None,
                tp: int | None = None, page_size: int | None = None, weights: str | None = None,
-               max_batch: int | None = None, kv_cache_dtype: str | None = None) -> Spec:
+               max_batch: int | None = None, kv_cache_dtype: str | None = None,
+               max_tokens: int | None = None) -> Spec:
     from flintgen.hf import spec_from_hf_config
     from flintgen.presets import get_preset
 
     if sum(x is not None for x in (preset, spec_file, hf_config)) > 1:
         raise click.UsageError("give one of --preset, --spec and --hf-config, not several")
     if hf_config:
-        return spec_from_hf_config(hf_config, tp_size=tp or 1, page_size=page_size or 16,
+        spec = spec_from_hf_config(hf_config, tp_size=tp or 1, page_size=page_size or 16,
                                    weight_format=weights or "bf16", max_batch=max_batch or 256,
                                    name=os.path.basename(os.path.dirname(os.path.abspath(hf_config))),
                                    kv_cache_dtype=kv_cache_dtype or "bf16")
+        return spec if max_tokens is None else spec.replace(max_tokens=max_tokens)
     spec = Spec.from_file(spec_file) if spec_file else get_preset(preset or "flint")
     changes = {k: v for k, v in (("tp_size", tp), ("page_size", page_size), ("weight_format", weights),
-                                 ("max_batch", max_batch), ("kv_cache_dtype", kv_cache_dtype)) if v is not None}
+                                 ("max_batch", max_batch), ("kv_cache_dtype", kv_cache_dtype),
+                                 ("max_tokens", max_tokens)) if v is not None}
     return spec.replace(**changes) if changes else spec
 
 
@@ -112,6 +115,9 @@ def _spec_options(f):
     f = click.option("--kv-cache-dtype", type=click.Choice(list(SUPPORTED_KV_DTYPES)), default=None,
                      help="Override the KV-cache element type (--hf-config default: bf16); fp8_e4m3 "
                           "stores K / V as e4m3 with one k_scale / v_scale per layer.")(f)
+    f = click.option("--max-tokens", type=int, default=None,
+                     help=f"Override max_tokens, the most tokens per fused QKV call (default 8; 1.."
+                          f"{MAX_TOKENS_LIMIT}: one QKV binary per token tile of 8 / 16 / 32 / 64 up to it).")(f)
     f = click.option("--max-batch", type=int, default=None, help="Override max_batch (default 256).")(f)
     f = click.option("--weights", type=click.Choice(["bf16", "nvfp4"]), default=None,
                      help="Override the QKV weight format (--hf-config default: bf16).")(f)
@@ -133,7 +139,8 @@ def _spec_from_opts(o: dict, required: bool = False) -> Spec:
                                "; `flintgen presets` lists them), --spec FILE.toml|.json or "
                                "--hf-config config.json")
     return _load_spec(o.pop("preset"), o.pop("spec_file"), o.pop("hf_config"), o.pop("tp"),
-                      o.pop("page_size"), o.pop("weights"), o.pop("max_batch"), o.pop("kv_cache_dtype"))
+                      o.pop("page_size"), o.pop("weights"), o.pop("max_batch"), o.pop("kv_cache_dtype"),
+                      o.pop("max_tokens"))
 
 
 def _target_options(f):

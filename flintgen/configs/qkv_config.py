@@ -106,6 +106,15 @@ class QKVConfig:
         already (unmeasured)."""
         return 2 if max_m == MMA_N and steps_per_warp > 1 else 1
 
+    @staticmethod
+    def early_tokens(max_m: int) -> bool:
+        """Whether the epilogue's per-token inputs (slot, cos / sin) are loaded
+        right after the grid wait, landing during the GEMV (the 8-token tile,
+        measured), or after the GEMV's main loop (larger tiles: a warp's
+        max_m / warps tokens would hold 2 + 2 pair_e registers each through
+        the main loop, 48 at max_m 64 with flint's RoPE; unmeasured)."""
+        return max_m == MMA_N
+
     @classmethod
     def acc_regs(cls, tiles: int, max_m: int, steps_per_warp: int) -> int:
         """fp32 accumulator registers per thread: 4 per (chain, 16-row tile, 8-token n-tile)."""
@@ -159,6 +168,15 @@ class QKVConfig:
           CTA per SM, and the grid runs in two waves. With 16-row CTAs (320
           per grid) early dequantization was slower (6.19 vs 5.36 us GEMV: 95
           registers, two waves), so rows 16 keeps 0.
+        * token tiles above 8 (``max_m`` 16 / 32 / 64; unmeasured, compiled
+          spill-free for sm_90a in tests/test_qkv_tokens.py): rows, cluster and
+          warps as for 8 tokens; one accumulator chain (``chains``); prefetch
+          within ``weight_reg_budget`` (the budget less the accumulators beyond
+          the 8-token tile's: flint NVFP4 4 / 4 / 1 steps, bf16 hidden 4096
+          2 / 1 / 1 at max_m 16 / 32 / 64); no early dequantization (its
+          budget is the 8-token tile's two CTAs per SM, which max_m >= 32
+          gives up to shared memory anyway); the epilogue's token inputs
+          after the main loop (``early_tokens``).
         """
         check_hidden(hidden)
         if head_dim not in SUPPORTED_HEAD_DIMS:
