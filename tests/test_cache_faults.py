@@ -137,9 +137,9 @@ def test_3_huge_hidden_is_refused_at_once(tmp_path):
 
 def test_3_kernel_outside_its_own_range_is_refused_naming_it(tmp_path):
     spec = tmp_path / "s.toml"
-    spec.write_text('preset = "flint"\nmax_tokens = 16\n')
+    spec.write_text('preset = "flint"\nmax_tokens = 65\n')
     p = run(["build", "--spec", str(spec), "--arch", "sm_90a", "--cache-dir", str(tmp_path / "c")], timeout=60)
-    assert_one_error(p, 2, "kernel qkv supports max_tokens 1..8, got 16")
+    assert_one_error(p, 2, "kernel qkv supports max_tokens 1..64, got 65")
 
 
 def test_3_spilling_kernel_fails_the_build_and_is_not_cached(tmp_path, monkeypatch):

@@ -288,9 +288,11 @@ def test_rejects_cpu_tensors():
         _op()(**_cpu_args())
 
 
-def test_rejects_more_than_8_tokens():
-    with pytest.raises(ValueError, match=r"M = 9 tokens exceeds the fused QKV limit of 8 .* split the batch"):
+def test_rejects_more_tokens_than_max_tokens():
+    with pytest.raises(ValueError, match=r"M = 9 tokens exceeds spec.max_tokens = 8 of the fused QKV step .*build the "
+                                         r"spec with a larger max_tokens \(up to 64.* split the batch") as e:
         _op()(**_cpu_args(m=9))
+    assert "at most 8" not in str(e.value)
 
 
 @pytest.mark.parametrize("change, exc, match", [

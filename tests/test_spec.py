@@ -64,7 +64,7 @@ def test_from_files(tmp_path):
     ({"weight_format": "int4"}, ValueError, r"'weight_format' = 'int4'.*\['bf16', 'nvfp4'\]"),
     ({"kv_cache_dtype": "fp8"}, ValueError, r"'kv_cache_dtype' = 'fp8'"),
     ({"kv_layout": "NHD"}, ValueError, r"'kv_layout' = 'NHD'"),
-    ({"max_tokens": 300}, ValueError, r"'max_tokens' = 300 .*1\.\.256 \(rms_norm 1\.\.256, qkv 1\.\.8\)"),
+    ({"max_tokens": 300}, ValueError, r"'max_tokens' = 300 .*1\.\.256 \(rms_norm 1\.\.256, qkv 1\.\.64\)"),
     ({"hidden_size": 2**40}, ValueError, r"'hidden_size' = 1099511627776 .*64\.\.32768"),
     ({"tp_size": 3}, ValueError, r"'tp_size' = 3"),
     ({"sinks": 1}, TypeError, r"'sinks' must be a bool"),

@@ -231,8 +231,9 @@ class QKVSmem:
 
     xn is staged in ``chunks`` K-chunks of ``chunk_steps`` 64-value steps:
     one chunk (the whole row) wherever it fits, which is every hidden size up
-    to about 13k for the 8-token tile (16: about 6k, 32: about 2.5k, 64:
-    none from 1024 up); beyond that rank 0 multicasts chunk c + 1 into the
+    to about 13k for the 8-token tile (16 tokens: about 6.5k, 32: about 3k,
+    64: 1k to 1.5k; at hidden 16384 2 / 3 / 7 / 16 chunks, 32 at head_dim
+    256 and 64 tokens); beyond that rank 0 multicasts chunk c + 1 into the
     same buffer once every CTA of the cluster is done with chunk c (a cluster
     barrier). A chunk of a chunked plan is a multiple of ``warps`` steps, so
     each warp's steps of a chunk are consecutive iterations of its loop.
