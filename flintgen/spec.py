@@ -198,7 +198,7 @@ class Spec:
     rms_eps: float = 1e-6
     norm_weight_offset: int = 0
     softmax_scale: float | None = None
-    max_tokens: int = 8
+    max_tokens: int = 8   # tokens per fused QKV call (1..64: one QKV binary per token tile of 8 / 16 / 32 / 64 up to it)
     tp_size: int = 1
     max_batch: int = 256
 

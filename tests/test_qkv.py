@@ -528,11 +528,8 @@ GPU_CASES = [("flint", m) for m in range(1, 9)] + [
 MAX_POS = {"phi4_mini": 8192}   # longrope: positions on both sides of original_max_position_embeddings 4096
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, m", GPU_CASES, ids=[f"{n}-M{m}" for n, m in GPU_CASES])
-def test_numerics(ops, name, m):
-    op = _get(ops, name)
-    c = Case(SPECS[name], m, seed=100 * m + len(name), residual=(m % 3 != 1), n_slots=max(m - (m % 2), 1),
+def _numerics(op, name, m, n_slots):
+    c = Case(SPECS[name], m, seed=100 * m + len(name), residual=(m % 3 != 1), n_slots=n_slots,
              max_pos=MAX_POS.get(name, 4096))
     q, res = c.run(op)
     c.check(q, res, f"{name} M={m}")
@@ -543,6 +540,34 @@ def test_numerics(ops, name, m):
     assert torch.equal(q2, q_dbg)
     assert torch.equal(c.k_cache.nan_to_num(7.0), k_dbg.nan_to_num(7.0))
     assert torch.equal(c.v_cache.nan_to_num(7.0), v_dbg.nan_to_num(7.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m", GPU_CASES, ids=[f"{n}-M{m}" for n, m in GPU_CASES])
+def test_numerics(ops, name, m):
+    _numerics(_get(ops, name), name, m, max(m - (m % 2), 1))
+
+
+# Token tiles (max_tokens 64: binaries of 8 / 16 / 32 / 64 tokens, tests/test_qkv_tokens.py): every
+# tile's edges, slot_mapping shorter than M (the last tokens write no cache row), on flint (NVFP4),
+# bf16 at hidden 4096, head dims 64 / 96 / 256, a qkv bias, interleaved partial rotary and hidden
+# 16384 (xn in 16 K-chunks at 64 tokens).
+TILE_MS = (1, 7, 8, 9, 16, 33, 63, 64)
+for _n in ("flint", "flint_bf16", "bf16_4096", "oss_nvfp4", "oss_bf16", "d96", "d256", "glm4", "gemma3_4b",
+           "h16384", "h16384_bf16"):
+    SPECS[f"{_n}_t64"] = SPECS[_n].replace(max_tokens=64)
+TILE_CASES = ([("flint_t64", m) for m in TILE_MS] + [("bf16_4096_t64", m) for m in TILE_MS]
+              + [("flint_bf16_t64", 17), ("flint_bf16_t64", 64), ("oss_nvfp4_t64", 9), ("oss_nvfp4_t64", 64),
+                 ("oss_bf16_t64", 33), ("oss_bf16_t64", 63), ("d96_t64", 24), ("d96_t64", 64), ("d256_t64", 16),
+                 ("d256_t64", 64), ("glm4_t64", 40), ("gemma3_4b_t64", 64), ("h16384_t64", 33),
+                 ("h16384_t64", 64), ("h16384_bf16_t64", 20)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m", TILE_CASES, ids=[f"{n}-M{m}" for n, m in TILE_CASES])
+def test_numerics_token_tiles(ops, name, m):
+    # slot_mapping shorter than M (by M // 8 + 1 tokens; M = 1 keeps its one slot)
+    _numerics(_get(ops, name), name, m, max(1, m - 1 - m // 8))
 
 
 OTHER_CONFIGS = [("flint", QKVConfig(32, 4, 8, 4), 8), ("flint", QKVConfig(32, 4, 8, 4, 3), 2),

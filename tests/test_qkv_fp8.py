@@ -262,6 +262,18 @@ FP8_GPU = ([("flint", m) for m in range(1, 9)]
               ("d256_r64", 6), ("d96_r24", 8)])
 
 
+FP8_TILES = [("flint", m) for m in (9, 16, 33, 64)] + [("oss_bf16", 40), ("d256", 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m", FP8_TILES, ids=[f"{n}-M{m}" for n, m in FP8_TILES])
+def test_fp8_token_tiles_bit_exact(name, m):
+    """max_tokens 64: the 16 / 32 / 64-token binaries quantize like the bf16 twin's tile."""
+    p = Pair(name, m, seed=500 + m, f8=m % 2 == 1, hnd=m % 2 == 0, scales=_spread_scales,
+             spec_b=SPECS[name].replace(max_tokens=64), spec8=SPECS[name + "_fp8"].replace(max_tokens=64)).run()
+    p.check(f"{name} M={m} (max_tokens 64)")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, m", FP8_GPU, ids=[f"{n}-M{m}" for n, m in FP8_GPU])
 def test_fp8_bytes_bit_exact(name, m):

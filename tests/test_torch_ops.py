@@ -246,3 +246,58 @@ def test_fp8_scales_in_the_schemas_and_fake_tracing_with_fp8_caches():
             scale_args = [a for a in list(n.args) + list(n.kwargs.values()) if isinstance(a, torch.fx.Node)
                           and a.name in ("ks_1", "vs_1")]
             assert len(scale_args) == 2, (n.target, n.args, n.kwargs)
+
+
+def test_qkv_fake_shapes_token_tiles():
+    """A max_tokens-64 spec: the fake implementation gives every M its shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = flintgen.get_preset("flint").replace(max_tokens=64)
+    key = spec.canonical_json()
+    with FakeTensorMode():
+        for m in (1, 9, 33, 64):
+            x = torch.empty(m, 2048, dtype=torch.bfloat16)
+            e = torch.empty(1)
+            q, r = torch.ops.flintgen.qkv(x, x, e, e, e, e, e, e, e, e, e, e, e, None, 1e-6, 1e-6, key)
+            assert q.shape == (m, spec.q_heads_per_rank * 128) and r.shape == (m, 2048)
+
+
+@pytest.mark.gpu
+def test_qkv_op_token_tiles_compiled_and_graph_replayed():
+    """max_tokens 64: after flintgen.warmup (every token tile's binary), the
+    compiled op at M = 9, 33 and 64 gives the kernel's bits, and a CUDA graph
+    captured at each M replays them."""
+    from test_qkv import Case as QKVCase
+
+    spec = flintgen.get_preset("flint").replace(max_tokens=64)
+    key = spec.canonical_json()
+    flintgen.warmup(spec, ["qkv"])
+    op = flintgen.get_kernel(spec, "qkv")
+
+    def step(c, k, v):
+        return torch.ops.flintgen.qkv(c.x, c.residual, c.norm_weight, c.weight, c.weight_scale, c.global_scale,
+                                      c.q_norm, c.k_norm, c.cos_sin, c.positions, k, v, c.slots, c.bias,
+                                      spec.rms_eps, spec.rms_eps, key)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for m in (9, 33, 64):
+        c = QKVCase(spec, m, seed=40 + m, n_slots=m - 2)
+        want_q, want_r = (t.clone() for t in op(*c.args()))
+        want_k, want_v = c.k_cache.clone(), c.v_cache.clone()
+        c.poison()
+        q, r = compiled(c, c.k_cache, c.v_cache)
+        torch.cuda.synchronize()
+        assert torch.equal(q, want_q) and torch.equal(r, want_r), f"M={m}"
+        assert torch.equal(c.k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0)), f"M={m}"
+        g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            compiled(c, c.k_cache, c.v_cache)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, stream=s):
+                gq, gr = compiled(c, c.k_cache, c.v_cache)
+        c.poison()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gq, want_q) and torch.equal(gr, want_r), f"replay M={m}"
+        assert torch.equal(c.v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0)), f"replay M={m}"
