@@ -32,7 +32,7 @@ import torch
 import flintgen
 from benchmarks.harness import Row, read_bandwidth, time_graph, write_results
 from flintgen import quant
-from flintgen.configs.qkv_config import QKVConfig
+from flintgen.configs.qkv_config import QKVConfig, token_tile
 from flintgen.kernels.qkv import QKVDef, QKVOp
 from flintgen.runtime import load_variant
 
@@ -139,8 +139,9 @@ def copies_for(spec) -> int:
     return max(2, -(-2 * L2_BYTES // weight_bytes(spec)))
 
 
-def gemv_fn(spec, t, cfg=None):
-    v = KDEF.variant(spec, config=cfg)
+def gemv_fn(spec, t, cfg=None, m=1):
+    """The GEMV binary M tokens run (its token tile's) and its variant."""
+    v = KDEF.variant(spec, config=cfg, max_m=token_tile(m))
     return load_variant(KDEF, spec, v, t)[0], v
 
 
@@ -177,7 +178,7 @@ def main():
             w[0] for w in make_weights(spec.replace(weight_format="bf16"), copies_for(spec.replace(weight_format="bf16")))]
         for m in ms:
             lay = Layers(spec, m, weights)
-            fn, v = gemv_fn(spec, t)
+            fn, v = gemv_fn(spec, t, m=m)
 
             def step(op=op):
                 w = lay.weights()
@@ -214,7 +215,7 @@ def main():
                   f"{rows[-1].flintgen_us:.2f} us ({rows[-1].pct_of_floor:.0f}% of floor)", flush=True)
             if sweep:
                 for cfg in sweep_configs(spec):
-                    f2, v2 = gemv_fn(spec, t, cfg)
+                    f2, v2 = gemv_fn(spec, t, cfg, m)
                     r = time_graph(lambda: f2(*lay.gemv_args(lay.weights())))
                     op2 = QKVOp(KDEF, spec, t, lambda v: load_variant(KDEF, spec, v, t)[0], config=cfg)
                     r_step = time_graph(lambda: step(op2))
