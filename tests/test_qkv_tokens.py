@@ -96,16 +96,21 @@ def test_variants_per_max_tokens(max_tokens, tiles):
 
 def test_config_per_tile():
     C = qc.QKVConfig
-    # flint NVFP4: prefetch 4 / 4 / 4 / 1, early dequantization at 8 tokens only
+    # flint NVFP4: prefetch 4 / 4 / 2 / 1, early dequantization at 8 tokens only
     assert [C.from_heuristic(2048, 128, "nvfp4", t) for t in qc.TOKEN_TILES] == [
-        C(32, 4, 8, 4, 2), C(32, 4, 8, 4), C(32, 4, 8, 4), C(32, 4, 8, 1)]
-    assert [C.from_heuristic(4096, 128, "bf16", t).prefetch for t in qc.TOKEN_TILES] == [2, 2, 1, 1]
-    assert [C.from_heuristic(2880, 64, "bf16", t).prefetch for t in qc.TOKEN_TILES] == [4, 4, 3, 2]
+        C(32, 4, 8, 4, 2), C(32, 4, 8, 4), C(32, 4, 8, 2), C(32, 4, 8, 1)]
+    assert [C.from_heuristic(4096, 128, "bf16", t).prefetch for t in qc.TOKEN_TILES] == [2, 1, 1, 1]
+    assert [C.from_heuristic(2880, 64, "bf16", t).prefetch for t in qc.TOKEN_TILES] == [4, 3, 2, 1]
+    assert [C.from_heuristic(2880, 64, "nvfp4", t).prefetch for t in qc.TOKEN_TILES] == [6, 6, 5, 1]
     assert C.from_heuristic(2048, 128, "nvfp4") == C.from_heuristic(2048, 128, "nvfp4", 8)
     # chains: 2 at 8 tokens (more than one step per warp), else 1; accumulators per thread
     assert [C.chains(t, 4) for t in qc.TOKEN_TILES] == [2, 1, 1, 1] and C.chains(8, 1) == 1
     assert [C.acc_regs(2, t, 4) for t in qc.TOKEN_TILES] == [16, 16, 32, 64]
-    assert [C.weight_reg_budget(2, t, 4) for t in qc.TOKEN_TILES] == [64, 64, 48, 16]
+    assert [C.tile_regs(2, t, 4) for t in qc.TOKEN_TILES] == [24, 32, 64, 128]
+    assert [C.weight_reg_budget(2, t, 4) for t in qc.TOKEN_TILES] == [64, 56, 24, -40]
+    # ptxas launch bound: none at 8 tokens and where two CTAs fit by shared memory, else 1
+    assert [C.min_ctas_per_sm(t, 100_000) for t in qc.TOKEN_TILES] == [0, 0, 0, 0]
+    assert [C.min_ctas_per_sm(t, 120_000) for t in qc.TOKEN_TILES] == [0, 1, 1, 1]
     assert [C.early_tokens(t) for t in qc.TOKEN_TILES] == [True, False, False, False]
     with pytest.raises(ValueError, match=r"max_m = 12 is not a token tile: use one of \[8, 16, 32, 64\]"):
         C.from_heuristic(2048, 128, "nvfp4", 12)
@@ -242,8 +247,11 @@ def test_tile_compiles_clean(name, max_m):
     check_design_ptx(ptx, spec)
     p = KDEF.render_params(spec, v)
     sm = qc.QKVSmem.plan(spec.hidden_size, spec.head_dim, p["rows"], p["warps"], max_m)
-    if 2 * sm.total_bytes <= 228 * 1024:
-        # where shared memory admits two CTAs per SM, the registers do too
+    # one CTA per SM by shared memory: ptxas is told so (.minnctapersm 1), else no bound; where shared
+    # memory admits two CTAs per SM, the registers do too
+    two = qc.SMEM_PER_SM // (sm.total_bytes + qc.CTA_SMEM_RESERVED) >= 2
+    assert p["min_ctas"] == (0 if two else 1) and (".minnctapersm 1" in ptx) == (not two)
+    if two:
         assert res["registers"] <= 128, res
     # 4 MMAs per step, 16-row tile and 8-token n-tile, every step unrolled
     per_warp = -(-(spec.hidden_size // 64) // p["warps"])

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX
+from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
 from flintgen.spec import MAX_TOKENS_LIMIT
 
 MAX_CLUSTER = 8          # portable cluster-size limit (no opt-in attribute needed)
 K_STEP = 64              # k per warp step: 4 threads x 16 values (one NVFP4 scale block each)
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)   # head dims the fused QKV step compiles and tests
-PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights
+PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights (8-token tile; QKVConfig.weight_reg_budget)
+ACT_REGS_PER_NTILE = 8    # activation (B) registers of one step and 8-token n-tile: 16 bf16 values
+CTA_SMEM_RESERVED = 1024  # shared memory the hardware reserves per CTA (sm_90)
 # Registers per thread the prefetched weights may take once some of them are
 # dequantized before the grid wait: flint's 32-row CTAs use 88 (+ 38 others =
 # 126), so two 256-thread CTAs still fit an SM (160 CTAs, one wave).
@@ -107,6 +109,20 @@ class QKVConfig:
         return 2 if max_m == MMA_N and steps_per_warp > 1 else 1
 
     @staticmethod
+    def min_ctas_per_sm(max_m: int, smem_bytes: int) -> int:
+        """The launch bound rendered for ptxas (``.minnctapersm``; 0: none).
+        Without one ptxas fits 256-thread CTAs into 128 registers where it
+        nearly can, spilling a few bytes (32 tokens: NVFP4 Gemma-3-4b, 8
+        bytes at 4 prefetch steps; hidden 16384 d128, 16 bytes at 2); with
+        1 it takes what it needs (144 and 150 registers, no spill). 1 for
+        tiles above 8 tokens whose shared memory admits one CTA per SM only
+        (they never run two); 0 (none) for the 8-token tile (its binaries as
+        measured) and where two CTAs fit."""
+        if max_m == MMA_N:
+            return 0
+        return 1 if SMEM_PER_SM // (smem_bytes + CTA_SMEM_RESERVED) < 2 else 0
+
+    @staticmethod
     def early_tokens(max_m: int) -> bool:
         """Whether the epilogue's per-token inputs (slot, cos / sin) are loaded
         right after the grid wait, landing during the GEMV (the 8-token tile,
@@ -171,12 +187,13 @@ class QKVConfig:
         * token tiles above 8 (``max_m`` 16 / 32 / 64; unmeasured, compiled
           spill-free for sm_90a in tests/test_qkv_tokens.py): rows, cluster and
           warps as for 8 tokens; one accumulator chain (``chains``); prefetch
-          within ``weight_reg_budget`` (the budget less the accumulators beyond
-          the 8-token tile's: flint NVFP4 4 / 4 / 1 steps, bf16 hidden 4096
-          2 / 1 / 1 at max_m 16 / 32 / 64); no early dequantization (its
+          within ``weight_reg_budget`` (the budget less the accumulator and
+          activation registers beyond the 8-token tile's: flint NVFP4 4 / 2 / 1
+          steps, bf16 1 / 1 / 1 at max_m 16 / 32 / 64); no early dequantization (its
           budget is the 8-token tile's two CTAs per SM, which max_m >= 32
           gives up to shared memory anyway); the epilogue's token inputs
-          after the main loop (``early_tokens``).
+          after the main loop (``early_tokens``); a ptxas launch bound of one
+          CTA per SM where shared memory admits no more (``min_ctas_per_sm``).
         """
         check_hidden(hidden)
         if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -202,11 +219,18 @@ class QKVConfig:
         return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch, early_dequant=early)
 
     @classmethod
+    def tile_regs(cls, tiles: int, max_m: int, steps_per_warp: int) -> int:
+        """Registers a token tile holds per thread besides the weights: its
+        accumulators and one step's activation (B) fragments of each n-tile."""
+        return cls.acc_regs(tiles, max_m, steps_per_warp) + ACT_REGS_PER_NTILE * (max_m // MMA_N)
+
+    @classmethod
     def weight_reg_budget(cls, tiles: int, max_m: int, steps_per_warp: int) -> int:
         """Registers per thread for in-flight weights: PREFETCH_REG_BUDGET for
-        the 8-token tile (measured); larger tiles give up what their
-        accumulators take beyond the 8-token tile's (unmeasured)."""
-        extra = cls.acc_regs(tiles, max_m, steps_per_warp) - cls.acc_regs(tiles, MMA_N, steps_per_warp)
+        the 8-token tile (measured); larger tiles give up what they hold
+        beyond the 8-token tile's (``tile_regs``: accumulators and activation
+        fragments; unmeasured)."""
+        extra = cls.tile_regs(tiles, max_m, steps_per_warp) - cls.tile_regs(tiles, MMA_N, steps_per_warp)
         return PREFETCH_REG_BUDGET - max(0, extra)
 
 

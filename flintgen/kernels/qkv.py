@@ -153,7 +153,8 @@ class QKVDef(KernelDef):
         lanes = EpilogueLanes.of(p["head_dim"], p["rope_dim"] if p["rope"] else p["head_dim"], p["interleaved"])
         return {
             "max_m": max_m, "chains": QKVConfig.chains(max_m, per_warp),
-            "early_tokens": QKVConfig.early_tokens(max_m), "xn_chunks": sm.chunks, "chunk_steps": sm.chunk_steps,
+            "early_tokens": QKVConfig.early_tokens(max_m),
+            "min_ctas": QKVConfig.min_ctas_per_sm(max_m, sm.total_bytes), "xn_chunks": sm.chunks, "chunk_steps": sm.chunk_steps,
             "chunk_row_bytes": sm.chunk_row_bytes, "xs_stride": sm.xs_stride, "red_stride": sm.red_stride,
             "hidden": p["hidden"], "q_heads": p["q_heads"], "kv_heads": p["kv_heads"],
             "head_dim": p["head_dim"], "n_rows": n_rows, "weight_format": p["weight_format"],
