@@ -8,7 +8,8 @@ tile of 8 / 16 / 32 / 64 tokens up to spec.max_tokens.
   (QKVConfig: chains, prefetch, early dequantization, early token inputs)
   and a shared-memory plan within a CTA for every hidden size, head dim and
   tile.
-* ``compile`` (sm_90a): the tiles 16 / 32 / 64 of a handful of shapes
+* ``compile`` (sm_90a): the tiles 16 / 32 / 64 of a handful of shapes (and, run once by
+  hand, of tests/test_qkv_grid.py's 58 specs: 174 binaries, spill-free, 40..246 registers)
   compile spill-free with the design's PTX (the MMAs of every n-tile, one
   multicast per token row and xn chunk, the buffers at QKVSmem's offsets).
 
@@ -25,6 +26,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_qkv import SPECS, _cpu_args, check_design_ptx
+from test_qkv_grid import _SPECS as GRID
 
 from flintgen.cli import main
 from flintgen.configs import qkv_config as qc
@@ -228,6 +230,14 @@ TILE_SPECS = {
     "oss_bf16": SPECS["oss_bf16"].replace(max_tokens=64),          # d64: 16-row CTAs, bias, a K tail
     "h16384": SPECS["h16384"].replace(max_tokens=64),              # hidden 16384: many xn chunks
     "flint_fp8": SPECS["flint_fp8"].replace(max_tokens=64),        # e4m3 cache
+    # ptxas squeezed these into 128 registers and spilled at 32 tokens before the launch bound
+    # (QKVConfig.min_ctas_per_sm)
+    "gemma3_4b": SPECS["gemma3_4b"].replace(max_tokens=64),
+    "llama405_tp8": GRID["llama-3.1-405b-tp8"].replace(max_tokens=64),
+    # the most registers of the grid's 174 tile binaries (tests/test_qkv_grid.py's specs at 16 / 32 / 64
+    # tokens, all spill-free: 214 / 204 / 246 registers)
+    "h16320_d256_bf16": GRID["qkvgrid-h16320-d256-bf16-neox-b1-n1-g2-kv1"].replace(max_tokens=64),
+    "h2048_bf16_interleaved_half": GRID["qkvgrid-h2048-d128-bf16-interleaved-half-b0-n1-g8-kv1"].replace(max_tokens=64),
 }
 COMPILE_TILES = [(n, t) for n in TILE_SPECS for t in qc.TOKEN_TILES[1:]]
 
