@@ -193,7 +193,7 @@ def test_fp8_variants_and_source():
         code_p = [ln.split("#")[0] for ln in src_p.splitlines()]
         assert "KV_FP8 = False" in src_p and "Float8E4M3FN" not in src_p
         assert [ln for ln in code_p if "k_scale" in ln or "vq" in ln] == []
-        assert "kq = Float32(k_scale[0])" in src_s and "inv = vq / (l_cta" in src_s
+        assert "kq = Float32(k_scale[0])" in src_s and "norm_factor(l_cta, m_cta * scale_log2, sink_s, vq)" in src_s
         assert "KV_FP8 = True" in src_s and "KV_TYPE = cutlass.Float8E4M3FN" in src_s
         assert "counters, k_scale, v_scale, scale_log2, window" in src_s
         assert f"SLICE_BYTES = {16 * 2 * 128}" in src_s
