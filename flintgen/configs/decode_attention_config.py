@@ -278,13 +278,13 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool) -> D
     * sliding windows: one slot fewer, at least 2 (latency-bound: a smaller
       ring leaves room for more CTAs per SM): 64/8 d128 B=32 window 128
       2 / 3 / 4 slots 6.19 / 6.87 / 6.94 us, gpt-oss 64/8 d64 B=64 window
-      128 5.67 / 6.32 / 6.44.
+      128 5.67 / 6.32 / 6.44. Except FP8_SLIDING_KEEP_BF16_SLOTS (head_dim,
+      GQA): their 2-slot single-split kernel spills (ptxas, sm_90a: 8 bytes
+      of stack at 80 registers; 3 and 4 slots compile clean), so they keep
+      bf16's slots.
     * splits, warps, min_pages and the merges: bf16's (64/8 B=128: 2 splits
       537 us, 8 warps 540 against 525; window 128: 8 warps 8.34, 2-CTA
       clusters 9.67 against 7.03).
-      Except FP8_SLIDING_KEEP_BF16_SLOTS (head_dim, GQA): their 2-slot
-      single-split kernel spills (ptxas, sm_90a: 8 bytes of stack at 80
-      registers; 3 and 4 slots compile clean), so they keep bf16's slots.
     * more slots where the epilogue's scratch (which reuses the ring) needs
       them: up to bf16's ring bytes (twice its slots), which always fit.
     """
