@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu_run.sh gpt-oss          # head_dim-64 gpt-oss table, 3 runs
 #   bash benchmarks/gpu_run.sh shapes           # sibling shapes (GQA 4/16, d64, pages 32/64), 3 runs
 #   bash benchmarks/gpu_run.sh models1          # real models' shapes, group 1 (21 rows), 3 runs; models2 likewise
+#   bash benchmarks/gpu_run.sh fp8              # fp8 KV-cache decode table vs XQA-fp8 and bf16, 3 runs
 #   bash benchmarks/gpu_run.sh qkv              # QKV step and GEMV benchmark
+#   bash benchmarks/gpu_run.sh qkv-fp8          # QKV step writing an e4m3 cache vs the bf16 one
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
@@ -29,7 +31,9 @@ for what in "$@"; do
         shapes) python3 -m benchmarks.decode_attention --shapes --runs 3 2>&1 | tee "$OUT/shapes.log" | tail -30 ;;
         models1|models2) python3 -m benchmarks.decode_attention --models --group "${what#models}" --runs 3 2>&1 \
                | tee "$OUT/$what.log" | tail -30 ;;
+        fp8) python3 -m benchmarks.decode_attention --fp8 --runs 3 2>&1 | tee "$OUT/fp8.log" | tail -30 ;;
         qkv) python3 -m benchmarks.qkv 2>&1 | tee "$OUT/qkv.log" | tail -30 ;;
+        qkv-fp8) python3 -m benchmarks.qkv --fp8 2>&1 | tee "$OUT/qkv_fp8.log" | tail -12 ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
     esac

@@ -11,6 +11,10 @@ GEMV for hidden 1024 / 3584 / 5120 / 8192 (Qwen3-0.6B 16/8, Qwen2.5-7B 28/4
 with bias, Qwen2.5-14B 40/8 with bias, Llama-3-70B 64/8; head_dim 128, TP 1),
 bf16 and NVFP4 weights, M = 1 and 8.
 
+``--fp8`` (issue 17, results/qkv_fp8.md): the flint and hidden-4096 steps at
+M = 1 and 8 writing an e4m3 cache (k_scale / v_scale device tensors) against
+the same step writing the bf16 cache, same weights and inputs.
+
 ``--sweep`` also times alternative launch configurations of both specs
 (``sweep_configs``), each as the GEMV alone and as the whole step
 (results/qkv_sweep.md).
@@ -20,7 +24,7 @@ layers stream from HBM), one copy per captured call. Floors: bytes / the read
 bandwidth measured in the same process. Peer: torch F.linear on bf16 weights
 (cuBLAS) for the GEMV alone.
 
-    python -m benchmarks.qkv [--sweep | --shapes]
+    python -m benchmarks.qkv [--sweep | --shapes | --fp8]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Layers:
 
     def __init__(self, spec, m, weights):
         dev = "cuda"
+        fp8 = spec.kv_cache_dtype == "fp8_e4m3"
         h, d, n = spec.hidden_size, spec.head_dim, spec.qkv_out_features
         self.spec, self.m = spec, m
         bf = dict(dtype=torch.bfloat16, device=dev)
@@ -58,6 +63,11 @@ class Layers:
         self.pos = torch.randint(0, 4096, (m,), device=dev)
         kv = spec.kv_heads_per_rank
         self.cache = torch.zeros(64, kv, 16, 2 * d, **bf)       # flint's HND layout
+        self.kv_kw = {}
+        if fp8:     # e4m3 pages, per-layer scales as device tensors
+            self.cache = self.cache.to(torch.float8_e4m3fn)
+            scale = torch.tensor([0.05], device=dev)
+            self.kv_kw = {"k_scale": scale, "v_scale": scale.clone()}
         self.k = self.cache[..., :d].permute(0, 2, 1, 3)
         self.v = self.cache[..., d:].permute(0, 2, 1, 3)
         self.slots = torch.arange(m, device=dev) * 3
@@ -155,7 +165,46 @@ def report_specs():
             for n, h, q, kv, bias, qk in shapes for fmt in ("bf16", "nvfp4")]
 
 
+def fp8_main():
+    """--fp8: the step with an e4m3 cache write against the bf16 one."""
+    flint = flintgen.get_preset("flint")
+    big = flint.replace(hidden_size=4096, num_kv_heads=8, weight_format="bf16", sliding_window=None,
+                        layer_types=("full",), sinks=False, name="h4096-32x8-bf16")
+    bw = read_bandwidth()
+    rows = []
+    for spec in (flint, big):
+        weights = make_weights(spec, copies_for(spec))
+        wb = weight_bytes(spec)
+        for m in (1, 8):
+            res = {}
+            for kv in ("bf16", "fp8_e4m3"):
+                s8 = spec.replace(kv_cache_dtype=kv)
+                op = flintgen.get_kernel(s8, "qkv")
+                op.warmup(torch.device("cuda"))
+                lay = Layers(s8, m, weights)
+
+                def step(op=op, lay=lay):
+                    w = lay.weights()
+                    return op(lay.x, lay.res, lay.norm_w, w[0], w[1], w[2], lay.qn, lay.kn, lay.cs, lay.pos,
+                              lay.k, lay.v, lay.slots, lay.bias, q_out=lay.q, xn_out=lay.xn,
+                              residual_out=lay.res, **lay.kv_kw)
+
+                res[kv] = time_graph(step)
+            act = m * spec.hidden_size * 2 * 4 + m * spec.qkv_out_features * 2
+            case = {"spec": spec.name, "weights": spec.weight_format, "M": m, "what": "RMSNorm + QKV step, fp8 cache"}
+            rows.append(Row(case, res["fp8_e4m3"]["median_us"], (wb + act) / bw * 1e6,
+                            {"same step, bf16 cache": res["bf16"]["median_us"]},
+                            {"p10_us": res["fp8_e4m3"]["p10_us"], "p90_us": res["fp8_e4m3"]["p90_us"]}))
+            print(case, f"fp8 {res['fp8_e4m3']['median_us']:.2f} us, bf16 {res['bf16']['median_us']:.2f} us",
+                  flush=True)
+    print(write_results("qkv_fp8", rows, bw, "The fused step (RMSNorm + QKV GEMV + epilogue) writing e4m3 K/V "
+                        "(k_scale = v_scale = 0.05 device tensors) against the same step writing the bf16 cache; "
+                        "weights rotate over copies exceeding L2."))
+
+
 def main():
+    if "--fp8" in sys.argv:
+        return fp8_main()
     sweep = "--sweep" in sys.argv
     flint = flintgen.get_preset("flint")
     big = flint.replace(hidden_size=4096, num_kv_heads=8, weight_format="bf16", sliding_window=None,
@@ -184,7 +233,7 @@ def main():
                 w = lay.weights()
                 return op(lay.x, lay.res, lay.norm_w, w[0], w[1], w[2], lay.qn, lay.kn, lay.cs, lay.pos,
                           lay.k, lay.v, lay.slots, lay.bias, q_out=lay.q, xn_out=lay.xn,
-                          residual_out=lay.res)
+                          residual_out=lay.res, **lay.kv_kw)
 
             def gemv():
                 fn(*lay.gemv_args(lay.weights()))

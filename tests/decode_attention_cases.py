@@ -226,3 +226,23 @@ def check_compiled(kdef, spec, variant, target, *, need=()):
     for p in tuple(required) + tuple(need):
         assert p in ptx, p
     return res, ptx
+
+
+def cpu_op_args(b=2, kv_dtype=None, **over):
+    """CPU arguments of a flint-shaped (32 q / 4 kv heads of 128, 16-token
+    pages) decode-attention call, by keyword: the host checks run on them
+    and stop at the first device check. ``over`` replaces any of them."""
+    d = 128
+    a = dict(q=torch.zeros(b, 32, d, dtype=torch.bfloat16),
+             kv_cache=torch.zeros(8, 4, 16, 2 * d, dtype=kv_dtype or torch.bfloat16),
+             block_tables=torch.zeros(b, 4, dtype=torch.int32), seq_lens=torch.zeros(b, dtype=torch.int32),
+             sinks=torch.zeros(32, dtype=torch.float32), window=128, scale=d ** -0.5,
+             out=torch.zeros(b, 32, d, dtype=torch.bfloat16))
+    a.update(over)
+    return a
+
+
+def call_op(op, a, **kw):
+    """``op`` on the arguments of ``cpu_op_args``."""
+    return op(a["q"], a["kv_cache"], a["block_tables"], a["seq_lens"], a["sinks"], a["window"], a["scale"],
+              a["out"], **kw)

@@ -40,6 +40,7 @@ import torch
 from flintgen import codegen
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
+from flintgen.kernels import kv_scales
 from flintgen.kernels.decode_attention import DecodeAttentionDef, check_fp8_inputs
 from flintgen.presets import FLINT
 from flintgen.references.decode_attention import (
@@ -49,7 +50,8 @@ from flintgen.references.decode_attention import (
     rel_error,
 )
 
-from decode_attention_cases import Fp8Case, check_compiled, lens_for, precompile, record, refill
+from decode_attention_cases import (Fp8Case, call_op, check_compiled, cpu_op_args, lens_for, precompile, record,
+                                    refill)
 from test_decode_attention_grid import LONG_WINDOWS, PAIRS, grid_spec
 
 KDEF = DecodeAttentionDef()
@@ -161,7 +163,8 @@ def test_fp8_configs_by_bytes(gqa, head_dim):
                 x, y = bf[b], f8[b]
                 assert y.kv_dtype == "fp8_e4m3" and x.kv_dtype == "bf16"
                 assert y.slice_bytes * 2 == x.slice_bytes
-                want = max(2, x.num_stages - 1) if window else x.num_stages
+                keep = (head_dim, gqa) in dac.FP8_SLIDING_KEEP_BF16_SLOTS
+                want = max(2, x.num_stages - 1) if window and not keep else x.num_stages
                 assert want <= y.num_stages <= 2 * x.num_stages, (b, x, y)
                 if y.num_stages > want:     # only where one slot fewer leaves the epilogue scratch no room
                     with pytest.raises(ValueError, match="epilogue scratch"):
@@ -191,7 +194,7 @@ def test_fp8_variants_and_source():
         code_p = [ln.split("#")[0] for ln in src_p.splitlines()]
         assert "KV_FP8 = False" in src_p and "Float8E4M3FN" not in src_p
         assert [ln for ln in code_p if "k_scale" in ln or "vq" in ln] == []
-        assert "kq = Float32(k_scale[0])" in src_s and "inv = vq / (l_cta" in src_s
+        assert "kq = Float32(k_scale[0])" in src_s and "norm_factor(l_cta, m_cta * scale_log2, sink_s, vq)" in src_s
         assert "KV_FP8 = True" in src_s and "KV_TYPE = cutlass.Float8E4M3FN" in src_s
         assert "counters, k_scale, v_scale, scale_log2, window" in src_s
         assert f"SLICE_BYTES = {16 * 2 * 128}" in src_s
@@ -200,39 +203,31 @@ def test_fp8_variants_and_source():
 
 # ----------------------------------------------------------------- validation (CPU)
 def _args(b=2, kv_dtype=torch.float8_e4m3fn, **over):
-    d = 128
-    a = dict(q=torch.zeros(b, 32, d, dtype=torch.bfloat16),
-             kv_cache=torch.zeros(8, 4, 16, 2 * d, dtype=kv_dtype),
-             block_tables=torch.zeros(b, 4, dtype=torch.int32), seq_lens=torch.zeros(b, dtype=torch.int32),
-             sinks=torch.zeros(32, dtype=torch.float32), window=128, scale=d ** -0.5,
-             out=torch.zeros(b, 32, d, dtype=torch.bfloat16))
-    a.update(over)
-    return a
+    return cpu_op_args(b, kv_dtype, **over)
 
 
 def _call(spec, a, **kw):
-    op = KDEF.bind(spec, T132, _no_load)
-    return op(a["q"], a["kv_cache"], a["block_tables"], a["seq_lens"], a["sinks"], a["window"], a["scale"],
-              a["out"], **kw)
+    return call_op(KDEF.bind(spec, T132, _no_load), a, **kw)
 
 
 ONE = torch.ones(())
 REJECTIONS = [
     (FP8, {}, dict(v_scale=ONE), ValueError,
      r"spec 'flint-fp8' has kv_cache_dtype='fp8_e4m3': pass k_scale, the layer's fp32 K scale as a "
-     r"one-element CUDA tensor \(dequantized = e4m3 x k_scale; vLLM's layer._k_scale\)"),
+     r"one-element CUDA tensor \(dequantized = e4m3 x k_scale; vLLM's layer._k_scale\).*1.0 where the "
+     r"checkpoint has none"),
     (FP8, {}, dict(k_scale=ONE), ValueError, r"pass v_scale, the layer's fp32 V scale"),
     (FP8, {}, dict(k_scale=0.5, v_scale=ONE), TypeError,
      r"k_scale must be a one-element fp32 torch.Tensor \(read by the kernel at every launch, so CUDA graphs "
-     r"see updates\), got float 0.5: pass e.g. torch.tensor\(0.5, dtype=torch.float32, device='cuda'\)"),
+     r"see updates\), got float 0.5: pass e.g. torch.tensor\(\[0.5\], dtype=torch.float32, device='cuda'\)"),
     (FP8, {}, dict(k_scale=ONE, v_scale=ONE.double()), TypeError,
      r"v_scale must be torch.float32, got torch.float64: convert it with .float\(\)"),
     (FP8, {}, dict(k_scale=torch.ones(4), v_scale=ONE), ValueError,
-     r"k_scale must hold one element \(a per-layer scale\), got shape \(4,\): per-kv-head scales are not "
-     r"supported"),
+     r"k_scale must hold one fp32 value \(one scale per layer\), got shape \(4,\): per-kv-head scale "
+     r"vectors are not supported"),
     (FLINT, dict(kv_dtype=torch.bfloat16), dict(k_scale=ONE), ValueError,
-     r"k_scale given but spec 'flint' has kv_cache_dtype='bf16' \(no scales\): pass k_scale=None, or build "
-     r"a spec with kv_cache_dtype='fp8_e4m3'"),
+     r"k_scale given but spec 'flint' has kv_cache_dtype='bf16' \(K / V stored unscaled\): pass "
+     r"k_scale=None, or build a spec with kv_cache_dtype='fp8_e4m3'"),
     (FP8, dict(kv_dtype=torch.bfloat16), dict(k_scale=ONE, v_scale=ONE), TypeError,
      r"kv_cache must be torch.float8_e4m3fn or torch.uint8 \(e4m3 bytes\) for spec 'flint-fp8' "
      r"\(kv_cache_dtype='fp8_e4m3'\), got torch.bfloat16: pass the fp8 cache itself"),
@@ -265,11 +260,11 @@ def test_fp8_valid_arguments_reach_the_device_checks(dtype):
 
 
 @pytest.mark.parametrize("ks, vs, match", [
-    (0.0, 1.0, r"k_scale must be finite and > 0 \(dequantized = e4m3 x k_scale\), got 0.0: pass the layer's "
-               r"calibrated scale"),
-    (1.0, -2.0, r"v_scale must be finite and > 0 .*got -2.0"),
-    (float("nan"), 1.0, r"k_scale must be finite and > 0 .*got nan"),
-    (1.0, float("inf"), r"v_scale must be finite and > 0 .*got inf"),
+    (0.0, 1.0, r"k_scale = 0.0 must be finite and > 0 \(dequantized = e4m3 x k_scale\): pass the layer's "
+               r"k_scale \(its calibrated value; 1.0 where the checkpoint has none\)"),
+    (1.0, -2.0, r"v_scale = -2.0 must be finite and > 0"),
+    (float("nan"), 1.0, r"k_scale = nan must be finite and > 0"),
+    (1.0, float("inf"), r"v_scale = inf must be finite and > 0"),
 ])
 def test_check_inputs_scales(ks, vs, match):
     q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
@@ -314,7 +309,7 @@ class EmulatedFp8Op:
     def __call__(self, q, kv, bt, lens, sinks, window, scale, out, *, softcap=None, k_scale=None, v_scale=None):
         import da_emulator
 
-        self.op._check_scales(k_scale, v_scale)     # the op's rule (its other checks need CUDA tensors)
+        kv_scales.check_scales(self.spec, k_scale, v_scale)   # the op's rule (its other checks need CUDA)
         v = self.variant(q.shape[0], window is not None)
         res = da_emulator.run(KDEF, self.spec, v, q, kv, bt, lens, sinks, window, scale,
                               num_partials=self.op._max_partials, softcap=softcap, k_scale=float(k_scale),
@@ -407,7 +402,8 @@ def _compile_cases():
     out = []
     for spec in (FP8, fp8_spec(16, 128, page=64, kv=1, window=None, softcap=True), fp8_spec(2, 256, kv=8),
                  fp8_spec(1, 96, kv=2), fp8_spec(8, 64, kv=1, page=32, window=4096),
-                 fp8_spec(1, 64, kv=2, window=128, max_batch=64)):   # 6 sliding ring slots spilled here
+                 fp8_spec(1, 64, kv=2, window=128, max_batch=64),    # 2 / 6 sliding ring slots spilled here
+                 fp8_spec(7, 64, kv=2, window=128, max_batch=64)):   # 2 spilled here
         op = KDEF.bind(spec, T132, _no_load)
         fams = {}
         for sliding in op._variants:
@@ -603,7 +599,7 @@ def test_fp8_check_inputs_on_gpu(monkeypatch):
     out = case.poisoned_out()
     op(*case.args(out), **case.kwargs())
     case.check(out, "fp8 check_inputs valid")
-    for bad, match in ((0.0, "k_scale must be finite and > 0"), (float("nan"), "k_scale must be finite")):
+    for bad, match in ((0.0, "k_scale = 0.0 must be finite and > 0"), (float("nan"), "k_scale = nan must be finite")):
         case.k_scale.fill_(bad)
         with pytest.raises(ValueError, match=match):
             op(*case.args(out), **case.kwargs())

@@ -551,3 +551,28 @@ def test_padded_heads_write_nothing_outside(precompiled, window, batch):
     op(*case.args(out))
     case.check(out, f"padded heads window={window} b={batch}")
     assert torch.isnan(big[:, :4]).all() and torch.isnan(big[:, 12:]).all()
+
+
+# (GQA, head_dim, window, seq_lens): the normalization sites — one CTA's output
+# (cluster / one split), split partials merged by the last CTA, the 4-CTA merge.
+SINK_WINS = [(8, 64, 128, [130, 17]), (8, 64, None, [600, 33]), (16, 64, None, [600] + [0] * 16)]
+
+
+@pytest.mark.parametrize("gqa, head_dim, window, lens", SINK_WINS, ids=lambda x: None)
+def test_emulated_sink_takes_the_mass(gqa, head_dim, window, lens):
+    """Heads whose sink lies 90-95 nats above every logit (q = 0: logits 0;
+    V x 1000): the output, ~1e-35, is a normal bf16 and must come out as
+    such, not as 0 (1 / (l + 2^130) overflowed fp32 before norm_factor)."""
+    spec = shape_spec(gqa, head_dim, 16, sinks=True, kv=1, max_batch=80)
+    op = EmulatedOp(spec)
+    case = Case(spec, lens, window, seed=7, device="cpu")
+    d = spec.head_dim
+    case.kv[..., d:] *= 1000
+    heads = list(range(0, spec.q_heads_per_rank, 3))
+    case.q[:, heads] = 0
+    case.sinks[heads] = torch.linspace(90.0, 95.0, len(heads))
+    out = case.poisoned_out()
+    op(*case.args(out))
+    case.check(out, f"emulated sink wins {spec.name} window={window} b={len(lens)}", head_tol=2e-2)
+    live = case.lens > 0
+    assert (out[live][:, heads].abs().amax(-1) > 0).all(), "sink-dominated heads came out as zeros"

@@ -31,7 +31,7 @@ from flintgen.references.decode_attention import (
     rel_error,
 )
 
-from decode_attention_cases import Case, check_compiled, precompile, record, refill
+from decode_attention_cases import Case, call_op, check_compiled, cpu_op_args, precompile, record, refill
 from test_decode_attention_shapes import EmulatedOp, run_shape, shape_spec
 
 KDEF = DecodeAttentionDef()
@@ -115,20 +115,8 @@ def test_launch_scalars():
 
 
 # ----------------------------------------------------------------- validation (CPU)
-def _args(b=2, **over):
-    d = 128
-    a = dict(q=torch.zeros(b, 32, d, dtype=torch.bfloat16),
-             kv_cache=torch.zeros(8, 4, 16, 2 * d, dtype=torch.bfloat16),
-             block_tables=torch.zeros(b, 4, dtype=torch.int32), seq_lens=torch.zeros(b, dtype=torch.int32),
-             sinks=torch.zeros(32, dtype=torch.float32), window=128, scale=d ** -0.5,
-             out=torch.zeros(b, 32, d, dtype=torch.bfloat16))
-    a.update(over)
-    return a
-
-
-def _call(op, a, **kw):
-    return op(a["q"], a["kv_cache"], a["block_tables"], a["seq_lens"], a["sinks"], a["window"], a["scale"],
-              a["out"], **kw)
+_args = cpu_op_args
+_call = call_op
 
 
 SOFTCAP_REJECTIONS = [

@@ -95,11 +95,11 @@ _KV = FLINT8.kv_heads_per_rank
 
 
 @pytest.mark.parametrize("change, exc, match", [
-    (dict(k_scale=None), ValueError, r"k_scale is required: the spec has kv_cache_dtype='fp8_e4m3' .*pass the "
-                                     r"layer's k_scale as a CUDA fp32 tensor of one element .*1\.0 where the "
-                                     r"checkpoint has none"),
-    (dict(v_scale=None), ValueError, r"v_scale is required"),
-    (dict(k_scale=0.5), TypeError, r"k_scale must be a torch.Tensor .*got float: wrap it with torch.tensor"),
+    (dict(k_scale=None), ValueError, r"spec '.*' has kv_cache_dtype='fp8_e4m3': pass k_scale, the layer's fp32 "
+                                     r"K scale as a one-element CUDA tensor .*1\.0 where the checkpoint has none"),
+    (dict(v_scale=None), ValueError, r"pass v_scale, the layer's fp32 V scale"),
+    (dict(k_scale=0.5), TypeError, r"k_scale must be a one-element fp32 torch.Tensor .*got float 0.5: pass e.g. "
+                                   r"torch.tensor"),
     (dict(v_scale=torch.ones(1, dtype=torch.float64)), TypeError, r"v_scale must be torch.float32, got "
                                                                   r"torch.float64: convert it with .float\(\)"),
     (dict(k_scale=torch.ones(_KV)), ValueError, r"k_scale must hold one fp32 value \(one scale per layer\), got "
@@ -129,7 +129,7 @@ def test_fp8_rejections_name_the_argument(change, exc, match):
 @pytest.mark.parametrize("name", ["k_scale", "v_scale"])
 def test_bf16_spec_refuses_scales(name):
     a = _cpu_args()
-    with pytest.raises(ValueError, match=rf"{name} must be None: the spec has kv_cache_dtype='bf16' .*use a spec "
+    with pytest.raises(ValueError, match=rf"{name} given but spec '.*' has kv_cache_dtype='bf16' .*build a spec "
                                          r"with kv_cache_dtype='fp8_e4m3'"):
         _op()(**a, **{name: torch.ones(1)})
 

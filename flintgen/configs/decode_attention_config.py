@@ -261,6 +261,10 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     return cfg if kv_dtype == "bf16" else _fp8_by_bytes(cfg, kv_dtype, sliding)
 
 
+# (head_dim, GQA) whose fp8 sliding kernels keep bf16's ring slots (``_fp8_by_bytes``).
+FP8_SLIDING_KEEP_BF16_SLOTS = frozenset({(64, 1), (64, 7)})
+
+
 def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool) -> DecodeAttentionConfig:
     """The bf16 choice ``cfg`` for a cache of 1-byte elements (half the slice
     bytes, the same fragment registers). H200, fp8 e4m3, sweep run 16
@@ -274,14 +278,18 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool) -> D
     * sliding windows: one slot fewer, at least 2 (latency-bound: a smaller
       ring leaves room for more CTAs per SM): 64/8 d128 B=32 window 128
       2 / 3 / 4 slots 6.19 / 6.87 / 6.94 us, gpt-oss 64/8 d64 B=64 window
-      128 5.67 / 6.32 / 6.44.
+      128 5.67 / 6.32 / 6.44. Except FP8_SLIDING_KEEP_BF16_SLOTS (head_dim,
+      GQA): their 2-slot single-split kernel spills (ptxas, sm_90a: 8 bytes
+      of stack at 80 registers; 3 and 4 slots compile clean), so they keep
+      bf16's slots.
     * splits, warps, min_pages and the merges: bf16's (64/8 B=128: 2 splits
       537 us, 8 warps 540 against 525; window 128: 8 warps 8.34, 2-CTA
       clusters 9.67 against 7.03).
     * more slots where the epilogue's scratch (which reuses the ring) needs
       them: up to bf16's ring bytes (twice its slots), which always fit.
     """
-    stages = max(2, cfg.num_stages - 1) if sliding else cfg.num_stages
+    fewer = sliding and (cfg.head_dim, cfg.gqa) not in FP8_SLIDING_KEEP_BF16_SLOTS
+    stages = max(2, cfg.num_stages - 1) if fewer else cfg.num_stages
     while True:
         try:
             return replace(cfg, kv_dtype=kv_dtype, num_stages=stages)

@@ -15,7 +15,7 @@ fp8 e4m3 cache: logits are q . K_e4m3 and c carries k_scale (c = scale
 log2(e) k_scale; soft-capped: the cap's factor carries it), so m, l and the
 merge weights are those of the dequantized cache; O sums p * V_e4m3 and
 v_scale enters once, in the output's normalization O * v_scale / (l +
-sink term) (``inv_norm``): split partials and DSMEM buffers stay unscaled.
+sink term) (``norm_factor``): split partials and DSMEM buffers stay unscaled.
 
 Heads: TH = HEAD_TILE x head tiles (8 for GQA 1..8, 16 for GQA 9..16;
 flintgen/layout.py ``AttentionLayout.tile_rows``) are computed; ``G`` below
@@ -119,6 +119,21 @@ def inv_norm(den, v_scale=None):
     cache (v_scale applied once, here; chosen while tracing: nothing is
     emitted for bf16)."""
     return Float32(1.0) / den if v_scale is None else v_scale / den
+
+
+def norm_factor(l, m_s, sink_s, v_scale=None):
+    """The output's factor ``inv_norm(l + 2^(sink_s - m_s))`` for a head
+    with sum ``l``, max ``m_s`` (m * c) and sink logit ``sink_s`` (log2
+    units; -inf without sinks), free of overflow: where the sink's term
+    dominates (sink_s > m_s) numerator and denominator are scaled by
+    2^(m_s - sink_s). Written directly, a head whose logits lie 128 or
+    more binary orders below its sink got 1 / inf = 0 where its output
+    (~2^-128 |V|) is still a normal bf16."""
+    x = sink_s - m_s
+    sink_wins = Int32(x > Float32(0.0))
+    e = ptx.ex2(selp_f32(-x, x, sink_wins))
+    num = selp_f32(e, Float32(1.0), sink_wins)
+    return inv_norm(selp_f32(l * e + Float32(1.0), l + e, sink_wins), v_scale) * num
 
 
 @cute.jit
@@ -408,7 +423,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
             if cutlass.const_expr(r0 > 0):
                 _load_round(vs, o_base, r0, num_loads, RCH, E, ROW)
             _sum_round(o, vs, ml_smem, r0, num_splits, hr, MLR, G, min(RCH, NSPLIT - r0), E)
-    inv = inv_norm(l_all + ptx.ex2(sink_s - m_all_s), v_scale)
+    inv = norm_factor(l_all, m_all_s, sink_s, v_scale)
     store_head(out_row, eh, ed, o, inv, E, G, TH)
 
 
@@ -483,7 +498,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
             m_all_s = ptx.lds_f32(ml_smem + (NSPLIT * MLR + hr) * 4)
             l_all = ptx.lds_f32(ml_smem + (NSPLIT * MLR + G + hr) * 4)
             sink_s = Float32(sinks[head0 + hr]) * LOG2E
-            inv = inv_norm(l_all + ptx.ex2(sink_s - m_all_s), v_scale)
+            inv = norm_factor(l_all, m_all_s, sink_s, v_scale)
             dst = out_b + Int64(head0 + h) * so1 * 2 + Int64(d0 * 2)
             if h < G:
                 if cutlass.const_expr(EM == 4):
@@ -548,7 +563,7 @@ def _cluster_store(oo, m_all_s, l_all, sinks, head, out_b, so1, rank, dl, DPR: c
     """Normalize (sink included; ``v_scale``: ``inv_norm``) and write OPT dims
     from ``rank * DPR + dl`` of q head ``head``."""
     sink_s = Float32(sinks[head]) * LOG2E
-    inv = inv_norm(l_all + ptx.ex2(sink_s - m_all_s), v_scale)
+    inv = norm_factor(l_all, m_all_s, sink_s, v_scale)
     dst_g = out_b + (Int64(head) * so1 + rank * DPR + dl) * 2
     if cutlass.const_expr(OPT % 2):
         # Odd OPT (head_dim 96 over 2 ranks: 3 dims): dl is not 4-byte aligned.

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs import decode_attention_config as dac
+from flintgen.kernels import kv_scales
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
 from flintgen.knobs import knobs
 from flintgen.spec import Spec
@@ -323,7 +324,7 @@ class DecodeAttentionOp:
                              f"{tuple(seq_lens.shape)}, strides {seq_lens.stride()}")
         tensors = [("q", q), ("out", out), ("kv_cache", kv_cache), ("block_tables", block_tables),
                    ("seq_lens", seq_lens)]  # fmt: skip
-        tensors += self._check_scales(k_scale, v_scale)
+        tensors += kv_scales.check_scales(spec, k_scale, v_scale)
         if spec.sinks:
             if sinks is None:
                 raise ValueError(f"spec {spec.name!r} has sinks=True: pass sinks, a [{hq}] fp32 tensor of "
@@ -355,37 +356,6 @@ class DecodeAttentionOp:
     # ------------------------------------------------------------ launch
     def config(self, batch: int, sliding: bool) -> dac.DecodeAttentionConfig:
         return self._configs[sliding][batch]
-
-    def _check_scales(self, k_scale, v_scale) -> list:
-        """``k_scale`` / ``v_scale``: one-element fp32 tensors for an fp8
-        spec, None otherwise; returns them as (name, tensor) for the device
-        checks."""
-        import torch
-
-        spec = self.spec
-        pairs = [("k_scale", k_scale), ("v_scale", v_scale)]
-        if not self.fp8:
-            for name, t in pairs:
-                if t is not None:
-                    raise ValueError(f"{name} given but spec {spec.name!r} has kv_cache_dtype="
-                                     f"{spec.kv_cache_dtype!r} (no scales): pass {name}=None, or build a spec "
-                                     "with kv_cache_dtype='fp8_e4m3'")
-            return []
-        for name, t in pairs:
-            if t is None:
-                raise ValueError(f"spec {spec.name!r} has kv_cache_dtype='fp8_e4m3': pass {name}, the layer's "
-                                 f"fp32 {name[0].upper()} scale as a one-element CUDA tensor (dequantized = e4m3 "
-                                 f"x {name}; vLLM's layer._{name}), e.g. torch.ones((), device='cuda')")
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a one-element fp32 torch.Tensor (read by the kernel at every "
-                                f"launch, so CUDA graphs see updates), got {type(t).__name__} {t!r}: pass e.g. "
-                                f"torch.tensor({t!r}, dtype=torch.float32, device='cuda')")
-            if t.dtype != torch.float32:
-                raise TypeError(f"{name} must be torch.float32, got {t.dtype}: convert it with .float()")
-            if t.numel() != 1:
-                raise ValueError(f"{name} must hold one element (a per-layer scale), got shape {tuple(t.shape)}: "
-                                 "per-kv-head scales are not supported")
-        return pairs
 
     def __call__(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, *, softcap=None,
                  k_scale=None, v_scale=None):
@@ -542,11 +512,7 @@ def check_fp8_inputs(q, k_scale, v_scale) -> None:
     device (synchronizes)."""
     import torch
 
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        x = float(t.reshape(()).item())
-        if not math.isfinite(x) or x <= 0:
-            raise ValueError(f"{name} must be finite and > 0 (dequantized = e4m3 x {name}), got {x!r}: pass the "
-                             "layer's calibrated scale (1.0 when the cache was written unscaled)")
+    kv_scales.check_scale_values(k_scale, v_scale)
     if q.numel():
         big = float(q.detach().abs().float().amax().item())
         if not big <= F16_MAX:

@@ -50,7 +50,7 @@ from typing import Any, Mapping
 from flintgen import layout
 from flintgen.configs.qkv_config import (HIDDEN_RANGE, K_STEP, MMA_N, EpilogueLanes, QKVConfig, QKVSmem, token_tile,
                                          token_tiles)
-from flintgen.kernels import checks
+from flintgen.kernels import checks, kv_scales
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
 from flintgen.spec import MAX_TOKENS_LIMIT, Spec
 
@@ -328,7 +328,7 @@ class QKVOp:
                              f"{tuple(slot_mapping.shape)}")
         self._check_cache(k_cache, v_cache)
         T += [("k_cache", k_cache), ("v_cache", v_cache)]
-        T += self._check_scales(k_scale, v_scale)
+        T += kv_scales.check_scales(self.spec, k_scale, v_scale)
         if self.spec.qkv_bias:
             if bias is None:
                 raise ValueError(f"bias [{n}] bf16 is required: the spec has qkv_bias=True")
@@ -390,51 +390,11 @@ class QKVOp:
                              f"{tuple(k_cache.shape)}/{k_cache.stride()} and "
                              f"{tuple(v_cache.shape)}/{v_cache.stride()}")
 
-    def _check_scales(self, k_scale, v_scale) -> list:
-        """k_scale / v_scale: required (fp32, one element each) for an fp8 cache,
-        None for bf16. Returns them for the device check."""
-        import torch
-
-        dt = self.spec.kv_cache_dtype
-        out = []
-        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if not self.kv_fp8:
-                if t is not None:
-                    raise ValueError(f"{name} must be None: the spec has kv_cache_dtype={dt!r} (K / V are stored "
-                                     "as bf16, unscaled); drop it, or use a spec with kv_cache_dtype='fp8_e4m3'")
-                continue
-            if t is None:
-                raise ValueError(f"{name} is required: the spec has kv_cache_dtype='fp8_e4m3' (stored value = "
-                                 f"e4m3(x / {name})); pass the layer's {name} as a CUDA fp32 tensor of one element "
-                                 f"(torch.tensor([s], dtype=torch.float32, device='cuda'); 1.0 where the checkpoint "
-                                 "has none)")
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor (fp32, one element, on the CUDA device), got "
-                                f"{type(t).__name__}: wrap it with torch.tensor([{name}], dtype=torch.float32, "
-                                "device='cuda')")
-            if t.dtype != torch.float32:
-                raise TypeError(f"{name} must be torch.float32, got {t.dtype}: convert it with .float()")
-            if t.numel() != 1:
-                raise ValueError(f"{name} must hold one fp32 value (one scale per layer), got shape "
-                                 f"{tuple(t.shape)}: per-kv-head scale vectors are not supported; use one "
-                                 f"per-layer scale (e.g. {name}.max() of per-head scales, then requantize)")
-            if t.data_ptr() % 4:
-                raise ValueError(f"{name} must be 4-byte aligned: pass a fresh allocation or .clone() it")
-            out.append((name, t))
-        return out
-
     def _check_device_contracts(self, positions, cos_sin_cache, slot_mapping, k_cache, k_scale=None,
                                 v_scale=None) -> None:
         """FLINTGEN_CHECK_INPUTS=1: sync and check the device-side contracts."""
-        import math
-
         if self.kv_fp8:
-            for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-                v = float(t.reshape(-1)[0])
-                if not (math.isfinite(v) and v > 0):
-                    raise ValueError(f"{name} = {v!r} must be finite and > 0 (K / V are stored as "
-                                     f"e4m3(x / {name})): pass the layer's {name} (1.0 where the checkpoint "
-                                     "has none)")
+            kv_scales.check_scale_values(k_scale, v_scale)
         pos = positions.cpu()
         if self.rope:
             max_pos = cos_sin_cache.shape[0]

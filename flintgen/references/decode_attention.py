@@ -138,13 +138,9 @@ def head_errors(x, ref):
     """Relative error of every (request, head) row of [B, H, D] outputs:
     ||x - ref|| / max(||ref||, sqrt(D) * 2^-126) over D in fp64 ([B, H]).
 
-    The floor is a row of bf16's smallest normal: an output the kernel
-    stores in bf16 has no relative precision below it. A head whose exact
-    output lies there (its keys' logits ~90 nats or more below its sink: the
-    sink takes all the mass and the output is ~1e-40 or less) gets zeros
-    from the kernel (exp2 of the sink term overflows fp32, 1 / inf = 0), as
-    bf16 rounding of the reference gives; relative to the floor that error is
-    small, relative to the row itself it would read 1.0."""
+    The floor is a row of bf16's smallest normal: an output stored in bf16
+    has no relative precision below it (a head whose sink takes nearly all
+    the mass can get there)."""
     import torch
 
     floor = math.sqrt(ref.shape[-1]) * 2.0 ** -126
