@@ -22,8 +22,8 @@ Emulated semantics:
   q's ``cvt.rn.satfinite.f16x2.f32`` clamps to +-65504 then rounds to
   nearest even (numpy's float16), P's ``cvt.rn.f16x2.f32`` rounds to
   nearest even, the f16 ``mma`` multiplies the f16 values exactly and sums
-  in fp64 before rounding to fp32 (as for bf16). ``ex2.approx`` is numpy's fp32 exp2 (within
-  1 ulp; the hardware's is within 2), ``rcp.approx`` the rounded fp32 quotient (the hardware is within 1 ulp).
+  in fp64 before rounding to fp32 (as for bf16). ``ex2.approx.ftz`` is numpy's fp32 exp2 flushed to 0 below fp32's
+  normal range (within 1 ulp; the hardware's is within 2), ``rcp.approx`` the rounded fp32 quotient (the hardware is within 1 ulp).
 * mbarriers: arrival count + transaction bytes + phase; a bulk copy lands at
   once and completes its bytes. ``try_wait.parity P`` returns once the phase
   of parity P completed.
@@ -424,7 +424,7 @@ def _ptx(gmem):
     p.mapa = lambda addr, rank: (int(addr) & ((1 << _RANK_SHIFT) - 1)) | ((int(rank) + 1) << _RANK_SHIFT)
     p.st_cluster_f32x4 = lambda addr, a, b, c, d: _smem_write(int(addr), np.float32, [a, b, c, d])
     p.st_cluster_f32 = lambda addr, a: _smem_write(int(addr), np.float32, [a])
-    p.ex2 = lambda x: np.float32(np.exp2(np.float32(x)))
+    p.ex2 = lambda x: _ftz(np.float32(np.exp2(np.float32(x))))
     p.fma = lambda a, b, c: np.float32(np.float64(a) * np.float64(b) + np.float64(c))
     p.neg_inf = lambda: np.float32(-np.inf)
     p.bf16x2 = lambda lo, hi: _f32_to_bf16(lo) | (_f32_to_bf16(hi) << 16)

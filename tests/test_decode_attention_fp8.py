@@ -124,11 +124,12 @@ def test_quantize_and_dequantize():
 
 
 def test_head_errors_floor():
-    """Per-head errors are relative to the row, floored at a row of bf16's
-    smallest normal: zeros for an exact output of ~1e-42 (a sink taking all
-    the mass, as the H200 graph-replay test met with k_scale = 1) count as
-    nearly exact; zeros for an ordinary row, a small fraction off, a NaN and
-    an infinity count as they are."""
+    """Per-head errors are relative to the row, floored at sqrt(D) x
+    max(2^-126, 2^-120 x v_max): zeros for an exact output of ~1e-42 count
+    as nearly exact, and with v_max = 50 zeros for one of 2e-36 (a sink
+    taking all but 2^-128 of the mass, flushed: the H200 graph-replay test
+    met it with k_scale = 1); zeros for an ordinary row, a small fraction
+    off, a NaN and an infinity count as they are, also with v_max."""
     from flintgen.references.decode_attention import head_errors
 
     ref = torch.randn(2, 3, 128, dtype=torch.float64)
@@ -137,13 +138,17 @@ def test_head_errors_floor():
     out[0, 1] = 0.0
     e = head_errors(out, ref)
     assert float(e[0, 1]) < 1e-3 and float(e.max()) == float(e[0, 1])
+    ref[0, 1] = 2e-36 / 128 ** 0.5
+    assert float(head_errors(out, ref)[0, 1]) == 1.0
+    assert float(head_errors(out, ref, v_max=50.0)[0, 1]) < 1e-2
     out[1, 2] = 0.0
     out[1, 0] = ref[1, 0] * 1.01
-    e = head_errors(out, ref)
-    assert float(e[1, 2]) == 1.0 and abs(float(e[1, 0]) - 0.01) < 1e-9
+    for v_max in (0.0, 50.0):
+        e = head_errors(out, ref, v_max)
+        assert float(e[1, 2]) == 1.0 and abs(float(e[1, 0]) - 0.01) < 1e-9
     out[0, 0, 5] = float("nan")
     out[0, 2, 0] = float("inf")
-    e = head_errors(out, ref)
+    e = head_errors(out, ref, 50.0)
     assert torch.isnan(e[0, 0]) and torch.isinf(e[0, 2])
 
 

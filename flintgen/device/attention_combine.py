@@ -122,18 +122,17 @@ def inv_norm(den, v_scale=None):
 
 
 def norm_factor(l, m_s, sink_s, v_scale=None):
-    """The output's factor ``inv_norm(l + 2^(sink_s - m_s))`` for a head
-    with sum ``l``, max ``m_s`` (m * c) and sink logit ``sink_s`` (log2
-    units; -inf without sinks), free of overflow: where the sink's term
-    dominates (sink_s > m_s) numerator and denominator are scaled by
-    2^(m_s - sink_s). Written directly, a head whose logits lie 128 or
-    more binary orders below its sink got 1 / inf = 0 where its output
-    (~2^-128 |V|) is still a normal bf16."""
-    x = sink_s - m_s
-    sink_wins = Int32(x > Float32(0.0))
-    e = ptx.ex2(selp_f32(-x, x, sink_wins))
-    num = selp_f32(e, Float32(1.0), sink_wins)
-    return inv_norm(selp_f32(l * e + Float32(1.0), l + e, sink_wins), v_scale) * num
+    """The output's factor ``inv_norm(l + 2^(sink_s - m_s))`` for a head with
+    sum ``l``, max ``m_s`` (m * c) and sink logit ``sink_s`` (log2 units;
+    -inf without sinks): the one normalization of every output site.
+
+    fp32 with flush-to-zero bounds it: a head whose sink outweighs all its
+    logits by 2^126 or more (87 nats) gets a factor <= 2^-126, flushed, so
+    its output is 0 where the exact one is below 2^-126 |V| (1 / inf = 0
+    where the exponent passes 128: never NaN). Scaling numerator and
+    denominator by 2^(m_s - sink_s) gains nothing: that factor is the same
+    subnormal number. head_errors' floor states this contract."""
+    return inv_norm(l + ptx.ex2(sink_s - m_s), v_scale)
 
 
 @cute.jit
