@@ -11,6 +11,15 @@ GEMV for hidden 1024 / 3584 / 5120 / 8192 (Qwen3-0.6B 16/8, Qwen2.5-7B 28/4
 with bias, Qwen2.5-14B 40/8 with bias, Llama-3-70B 64/8; head_dim 128, TP 1),
 bf16 and NVFP4 weights, M = 1 and 8.
 
+``--tokens`` (issue 18, results/qkv_tokens.md): flint (NVFP4 and BF16
+weights, hidden 2048) and hidden 4096 32/8 BF16 with max_tokens 64, the step,
+the GEMV and the torch path at M = 1, 2, 4, 8, 16, 32, 64 (each M runs its
+token tile's binary).
+
+``--prebuild DIR [--tokens | --fp8 | --shapes]``: compile that mode's kernels
+(every variant ``flintgen build`` makes for its specs) for sm_90a into cache
+DIR, no GPU needed; carry DIR and set FLINTGEN_CACHE_DIR to it on the GPU.
+
 ``--fp8`` (issue 17, results/qkv_fp8.md): the flint and hidden-4096 steps at
 M = 1 and 8 writing an e4m3 cache (k_scale / v_scale device tensors) against
 the same step writing the bf16 cache, same weights and inputs.
@@ -24,7 +33,7 @@ layers stream from HBM), one copy per captured call. Floors: bytes / the read
 bandwidth measured in the same process. Peer: torch F.linear on bf16 weights
 (cuBLAS) for the GEMV alone.
 
-    python -m benchmarks.qkv [--sweep | --shapes | --fp8]
+    python -m benchmarks.qkv [--sweep | --shapes | --fp8 | --tokens] [--prebuild DIR]
 """
 
 from __future__ import annotations
@@ -165,14 +174,60 @@ def report_specs():
             for n, h, q, kv, bias, qk in shapes for fmt in ("bf16", "nvfp4")]
 
 
-def fp8_main():
-    """--fp8: the step with an e4m3 cache write against the bf16 one."""
+TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def base_specs():
+    """flint (NVFP4, hidden 2048) and hidden 4096 with 32/8 heads, BF16 weights."""
     flint = flintgen.get_preset("flint")
     big = flint.replace(hidden_size=4096, num_kv_heads=8, weight_format="bf16", sliding_window=None,
                         layer_types=("full",), sinks=False, name="h4096-32x8-bf16")
+    return flint, big
+
+
+def token_specs():
+    """--tokens: (spec, token counts), each spec with max_tokens 64."""
+    flint, big = base_specs()
+    specs = [flint, flint.replace(weight_format="bf16", name="flint-bf16"), big]
+    return [(s.replace(max_tokens=64), TOKEN_COUNTS) for s in specs]
+
+
+def fp8_specs():
+    flint, big = base_specs()
+    return [s.replace(kv_cache_dtype=kv) for s in (flint, big) for kv in ("bf16", "fp8_e4m3")]
+
+
+def prebuild(root):
+    """Compile every variant of the mode's specs for sm_90a into ``root``."""
+    import concurrent.futures as cf
+    import multiprocessing
+    import os
+
+    from flintgen import toolchain
+    from flintgen.cli import _build_one, _plan
+
+    if "--tokens" in sys.argv:
+        specs = [s for s, _ in token_specs()]
+    elif "--fp8" in sys.argv:
+        specs = fp8_specs()
+    elif "--shapes" in sys.argv:
+        specs = [s for s, _ in report_specs()]
+    else:
+        specs = list(base_specs())
+    target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
+    todo = [(s, k, v) for s in specs for k, v in _plan(s, target, ("rms_norm", "qkv"))]
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2)), mp_context=ctx) as pool:
+        for f in [pool.submit(_build_one, s, k, v, target, os.path.abspath(root)) for s, k, v in todo]:
+            f.result()
+    print(f"prebuilt {len(todo)} variants into {root}")
+
+
+def fp8_main():
+    """--fp8: the step with an e4m3 cache write against the bf16 one."""
     bw = read_bandwidth()
     rows = []
-    for spec in (flint, big):
+    for spec in base_specs():
         weights = make_weights(spec, copies_for(spec))
         wb = weight_bytes(spec)
         for m in (1, 8):
@@ -203,15 +258,17 @@ def fp8_main():
 
 
 def main():
+    if "--prebuild" in sys.argv:
+        return prebuild(sys.argv[sys.argv.index("--prebuild") + 1])
     if "--fp8" in sys.argv:
         return fp8_main()
     sweep = "--sweep" in sys.argv
-    flint = flintgen.get_preset("flint")
-    big = flint.replace(hidden_size=4096, num_kv_heads=8, weight_format="bf16", sliding_window=None,
-                        layer_types=("full",), sinks=False, name="h4096-32x8-bf16")
+    flint, big = base_specs()
     plan, name = [(flint, (1, 8)), (big, (1, 8))], "qkv"
     if "--shapes" in sys.argv:
         plan, name = report_specs(), "qkv_shapes"
+    if "--tokens" in sys.argv:
+        plan, name = token_specs(), "qkv_tokens"
     from flintgen import toolchain
 
     t = toolchain.resolve_target()
