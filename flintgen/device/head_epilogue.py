@@ -132,7 +132,7 @@ def _store_run(dst, words, e: cutlass.Constexpr[int], eb: cutlass.Constexpr[int]
 
 def _e4m3_head(o1, o2, op, scale, lanes: EpilogueLanes):
     """The lane's bf16 words of a k row (``finish_qk``) as e4m3 words of
-    value / ``scale`` (a ``kv_quant.KVScale``; ``kv_quant.e4m3_run``), same runs."""
+    value / ``scale`` (``kv_quant.e4m3_run``), same runs."""
     p, s = lanes.pair_e, lanes.pass_e
     if lanes.interleaved:
         k1 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o1, 2 * p), scale)
@@ -213,9 +213,6 @@ def finish_qk(
     dp = None
     if cutlass.const_expr(lanes.pass_e > 0):
         dp = pass_start(lane, lanes)
-    ks = None
-    if cutlass.const_expr(kv_fp8):
-        ks = kv_quant.kv_scale(kv_scale)   # one reciprocal per thread (q heads: unused)
     for it in cutlass.range_constexpr(token_iters):
         n = warp + it * warps
         if n < m:
@@ -271,7 +268,7 @@ def finish_qk(
                                  stride_token, stride_head, kv_eb)
                 if dst != Int64(0):
                     if cutlass.const_expr(kv_fp8):
-                        k1, k2, kp = _e4m3_head(o1, o2, op, ks, lanes)
+                        k1, k2, kp = _e4m3_head(o1, o2, op, kv_scale, lanes)
                         _store_head(dst, k1, k2, kp, lane, d, dp, lanes, kv_eb)
                     else:
                         _store_head(dst, o1, o2, op, lane, d, dp, lanes, kv_eb)
@@ -304,16 +301,13 @@ def finish_v(
     e = lanes.v_e
     half = head_dim // 2
     d = _clamp(lane, lanes.v_lanes) * e
-    ks = None
-    if cutlass.const_expr(kv_fp8):
-        ks = kv_quant.kv_scale(kv_scale)   # one reciprocal per thread
     for it in cutlass.range_constexpr(token_iters):
         n = warp + it * warps
         if n < m:
             row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
             if cutlass.const_expr(kv_fp8):
-                w1 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + d * 2, e), ks)
-                w2 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + (d + half) * 2, e), ks)
+                w1 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + d * 2, e), kv_scale)
+                w2 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + (d + half) * 2, e), kv_scale)
             else:
                 w1 = ldst.lds_words_run(row + d * 2, e)
                 w2 = ldst.lds_words_run(row + (d + half) * 2, e)

@@ -10,12 +10,9 @@ vLLM keeps them (dequantized value = e4m3 x scale). Bit-exact against torch::
 
 * ``row_bf16`` is the bf16-rounded value the bf16 path stores (converting a
   bf16 to fp32 is exact);
-* the division is IEEE fp32 (round to nearest even, subnormals kept), what
-  torch's fp32 ``/`` computes: ``ptx.div_rn_recip`` from one reciprocal
-  ``div.rn.f32(1, scale)`` per thread (``KVScale``) and a corrected
-  product per element (3 FMA-class instructions instead of a ``div.rn``
-  each; a plain multiply by ``1 / scale`` rounds twice and differs in the
-  last place);
+* the division is ``div.rn.f32`` (IEEE, round to nearest even, subnormals
+  kept), what torch's fp32 ``/`` computes; a multiply by ``1 / scale``
+  rounds twice and differs in the last place;
 * ``cvt.rn.satfinite.e4m3x2.f32`` rounds to nearest even and saturates to
   +-448 (= the clamp, then torch's RNE cast, which maps [-448, 448] exactly
   as the cvt does), NaN stays NaN (torch: 0x7f / 0xff; the cvt: a NaN
@@ -29,24 +26,9 @@ bytes (strides checked on the host), so every store is aligned.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from cutlass import Float32
 
 from flintgen.device import ptx
-
-
-class KVScale(NamedTuple):
-    """A layer's k_scale or v_scale and its correctly rounded reciprocal."""
-
-    scale: object
-    recip: object
-
-
-def kv_scale(scale) -> KVScale:
-    """``scale`` (fp32, > 0) with ``div.rn(1, scale)``: once per thread,
-    before its quotients (``e4m3_run``)."""
-    return KVScale(scale, ptx.div_rn(Float32(1.0), scale))
 
 
 def _run_len(e: int) -> None:
@@ -64,13 +46,13 @@ def bf16_words_to_f32(words, e: int):
     return vals[:e]
 
 
-def e4m3_run(vals, scale: KVScale):
+def e4m3_run(vals, scale):
     """Quantize Float32 ``vals`` (a run of 1, 2, 4 or 8) to e4m3 of
-    ``vals / scale.scale``: words holding the bytes in memory order (element i in
+    ``vals / scale``: words holding the bytes in memory order (element i in
     byte i % 4 of word i // 4; a run of 1 or 2 in the low bytes of one word)."""
     e = len(vals)
     _run_len(e)
-    q = [ptx.div_rn_recip(v, scale.scale, scale.recip) for v in vals]
+    q = [ptx.div_rn(v, scale) for v in vals]
     if e == 1:
         return [ptx.e4m3x2(q[0], Float32(0.0))]
     if e == 2:

@@ -334,27 +334,6 @@ def div_rn(a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def div_rn_recip(a, b, rb, *, loc=None, ip=None):
-    """``a / b`` rounded to nearest even, bit-exact with ``div_rn``, from
-    ``rb = div_rn(1, b)`` (one reciprocal for many quotients by the same
-    ``b`` > 0): q = a rb, r = fma(-q, b, a) (exact), q + r rb rounded once
-    (Markstein: with rb the correctly rounded 1 / b and q within one ulp of
-    a / b, RN(q + r rb) = RN(a / b)). q itself where it is 0 (keeps -0) or
-    not finite (NaN, or a / b past fp32: inf); ``div.rn`` where the theorem's
-    no-underflow premise can fail (|a| < 2^-100, or b > 2^125: rb
-    subnormal). tests/test_kv_quant.py checks the sequence against fp32
-    division on random and near-midpoint quotients."""
-    return _asm(
-        [Float32], [(Float32, a), (Float32, b), (Float32, rb)],
-        "{ .reg .f32 q, nq, r, q1, aa; .reg .pred fin, use1, slow;\n"
-        "mul.rn.f32 q, $1, $3; neg.f32 nq, q; fma.rn.f32 r, nq, $2, $1; fma.rn.f32 q1, r, $3, q;\n"
-        "testp.finite.f32 fin, q; setp.ne.and.f32 use1, q, 0f00000000, fin; selp.f32 $0, q1, q, use1;\n"
-        "abs.f32 aa, $1; setp.lt.f32 slow, aa, 0f0D800000; setp.lt.or.f32 slow, $3, 0f01000000, slow;\n"
-        "@slow div.rn.f32 $0, $1, $2; }", loc=loc, ip=ip,
-    )  # fmt: skip
-
-
-@dsl_user_op
 def e4m3x2(lo, hi, *, loc=None, ip=None):
     """Two fp32 to fp8 e4m3 (round to nearest even, saturating to +-448,
     NaN stays NaN): ``lo`` in bits 0-7, ``hi`` in bits 8-15, bits 16-31
