@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_run.sh qkv              # QKV step and GEMV benchmark
 #   bash benchmarks/gpu_run.sh qkv-fp8          # QKV step writing an e4m3 cache vs the bf16 one
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep
+#   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
 # first) and FLINTGEN_CACHE_DIR pointing at a carried cache; FLINTGEN_COMMIT names
@@ -35,6 +36,8 @@ for what in "$@"; do
         qkv) python3 -m benchmarks.qkv 2>&1 | tee "$OUT/qkv.log" | tail -30 ;;
         qkv-fp8) python3 -m benchmarks.qkv --fp8 2>&1 | tee "$OUT/qkv_fp8.log" | tail -12 ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
+        decode-step) for b in 8 64; do python3 examples/decode_step.py --batch "$b"; done 2>&1 \
+               | tee "$OUT/decode_step.log" | tail -12 ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
     esac
 done

@@ -6,7 +6,11 @@ per-kernel times from an eager run.
 
     python examples/decode_step.py [--batch 8] [--context 4096]
 
-Batch is at most 8 (the fused QKV GEMV serves M <= 8 tokens).
+Batch 1..64: above the preset's max_tokens (8) the spec is rebuilt with
+max_tokens = batch (the fused QKV step serves up to 64 tokens, one GEMV
+binary per token tile); the step is then a different spec (its own cache
+entries, JIT-compiled on first use unless built with ``flintgen build
+--preset flint --max-tokens N``).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from flintgen import quant
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="requests, 1..64 (tokens of the fused QKV step)")
     ap.add_argument("--context", type=int, default=4096)
     args = ap.parse_args()
     spec = flintgen.get_preset("flint")
     B, L = args.batch, args.context
+    if B > spec.max_tokens:
+        spec = spec.replace(max_tokens=B)   # refused past 64, naming the limit
     hq, hkv, d, page, h = spec.q_heads_per_rank, spec.kv_heads_per_rank, spec.head_dim, spec.page_size, \
         spec.hidden_size
     ops = flintgen.get_kernel(spec)
