@@ -197,6 +197,15 @@ def fp8_specs():
     return [s.replace(kv_cache_dtype=kv) for s in (flint, big) for kv in ("bf16", "fp8_e4m3")]
 
 
+def mode_plan():
+    """The table of the mode in sys.argv: ([(spec, token counts)], results name)."""
+    if "--shapes" in sys.argv:
+        return report_specs(), "qkv_shapes"
+    if "--tokens" in sys.argv:
+        return token_specs(), "qkv_tokens"
+    return [(s, (1, 8)) for s in base_specs()], "qkv"
+
+
 def prebuild(root):
     """Compile every variant of the mode's specs for sm_90a into ``root``."""
     import concurrent.futures as cf
@@ -206,14 +215,7 @@ def prebuild(root):
     from flintgen import toolchain
     from flintgen.cli import _build_one, _plan
 
-    if "--tokens" in sys.argv:
-        specs = [s for s, _ in token_specs()]
-    elif "--fp8" in sys.argv:
-        specs = fp8_specs()
-    elif "--shapes" in sys.argv:
-        specs = [s for s, _ in report_specs()]
-    else:
-        specs = list(base_specs())
+    specs = fp8_specs() if "--fp8" in sys.argv else [s for s, _ in mode_plan()[0]]
     target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
     todo = [(s, k, v) for s in specs for k, v in _plan(s, target, ("rms_norm", "qkv"))]
     ctx = multiprocessing.get_context("spawn")
@@ -263,12 +265,7 @@ def main():
     if "--fp8" in sys.argv:
         return fp8_main()
     sweep = "--sweep" in sys.argv
-    flint, big = base_specs()
-    plan, name = [(flint, (1, 8)), (big, (1, 8))], "qkv"
-    if "--shapes" in sys.argv:
-        plan, name = report_specs(), "qkv_shapes"
-    if "--tokens" in sys.argv:
-        plan, name = token_specs(), "qkv_tokens"
+    plan, name = mode_plan()
     from flintgen import toolchain
 
     t = toolchain.resolve_target()
