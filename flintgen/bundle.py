@@ -88,7 +88,7 @@ def planned_entries(spec: Spec, target: Target, root: str | None = None,
     for name, kdef in KERNELS.items():
         if kdef.needed(spec) and (not kernels or name in kernels):
             for v in kdef.variants(spec, target):
-                out.append(cache.make_entry(v, kdef.template, dict(kdef.render_params(spec, v)), target, root))
+                out.append(cache.make_entry(v, kdef.template_of(v), dict(kdef.render_params(spec, v)), target, root))
     return out
 
 

@@ -180,7 +180,7 @@ def _build_one(spec: Spec, kernel: str, variant, target, root: str):
     uncached build: ``flintgen build`` exists to fill the cache."""
     t0 = time.perf_counter()
     kdef = get_def(kernel)
-    entry = cache.make_entry(variant, kdef.template, dict(kdef.render_params(spec, variant)), target, root)
+    entry = cache.make_entry(variant, kdef.template_of(variant), dict(kdef.render_params(spec, variant)), target, root)
     outcome = cache.get_or_build(entry, fallback=False)
     meta = cache.read_meta(entry) or {}
     return variant.name, outcome.hit, time.perf_counter() - t0, meta.get("resources"), entry.dir
@@ -294,7 +294,7 @@ def show(kernel, variant_index, arch, num_sms, **spec_opts):
     if not 0 <= variant_index < len(variants):
         raise click.BadParameter(f"{variant_index} is out of range: {kernel} has {len(variants)} variants")
     v = variants[variant_index]
-    click.echo(codegen.render(v.kernel, kdef.template, dict(kdef.render_params(spec, v))), nl=False)
+    click.echo(codegen.render(v.kernel, kdef.template_of(v), dict(kdef.render_params(spec, v))), nl=False)
 
 
 @main.command(name="show-spec")

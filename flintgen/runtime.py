@@ -62,7 +62,7 @@ def _capturing() -> bool:
 def load_variant(kdef: KernelDef, spec: Spec, variant: Variant, target: Target,
                  root: str | None = None) -> tuple[Any, bool]:
     """(compiled function, cache hit?) for one variant."""
-    entry = cache.make_entry(variant, kdef.template, dict(kdef.render_params(spec, variant)), target, root)
+    entry = cache.make_entry(variant, kdef.template_of(variant), dict(kdef.render_params(spec, variant)), target, root)
     k = (entry.root, entry.key)
     with _lock:
         fn = _functions.get(k)

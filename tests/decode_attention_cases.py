@@ -218,7 +218,7 @@ def check_compiled(kdef, spec, variant, target, *, need=()):
     (and ``need``). Returns (ptxas resources, PTX text)."""
     from flintgen import cache
 
-    entry = cache.make_entry(variant, kdef.template, dict(kdef.render_params(spec, variant)), target)
+    entry = cache.make_entry(variant, kdef.template_of(variant), dict(kdef.render_params(spec, variant)), target)
     res = cache.read_meta(entry)["resources"]
     assert res["registers"] is not None and res["registers"] <= 255, res
     assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0, res

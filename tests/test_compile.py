@@ -25,7 +25,7 @@ def _cases():
 @pytest.mark.parametrize("spec, kdef, variant", list(_cases()))
 def test_variant_compiles_clean(spec, kdef, variant, sm90):
     load_variant(kdef, spec, variant, sm90)  # default cache root: reused across runs
-    entry = cache.make_entry(variant, kdef.template, dict(kdef.render_params(spec, variant)), sm90)
+    entry = cache.make_entry(variant, kdef.template_of(variant), dict(kdef.render_params(spec, variant)), sm90)
     meta = cache.read_meta(entry)
     res = meta["resources"]
     assert res["registers"] is not None, "no ptxas report captured"
@@ -34,6 +34,7 @@ def test_variant_compiles_clean(spec, kdef, variant, sm90):
     with open(entry.path("kernel.ptx")) as f:
         ptx = f.read()
     assert ".target sm_90a" in ptx
-    missing = [p for p in kdef.required_ptx if p not in ptx]
+    required = kdef.variant_ptx(variant) if hasattr(kdef, "variant_ptx") else kdef.required_ptx
+    missing = [p for p in required if p not in ptx]
     assert not missing, f"PTX lacks {missing}"
-    assert codegen.header(variant.kernel, kdef.template, dict(kdef.render_params(spec, variant))) in entry.source
+    assert codegen.header(variant.kernel, kdef.template_of(variant), dict(kdef.render_params(spec, variant))) in entry.source

@@ -89,6 +89,10 @@ class KernelDef(abc.ABC):
                 raise ValueError(f"kernel {self.name} supports {field_name} {lo}..{hi}, got {value} "
                                  f"(spec {spec.name!r}): use a {field_name} in that range")
 
+    def template_of(self, variant: Variant) -> str:
+        """The template that renders ``variant`` (a kernel of several designs overrides this)."""
+        return self.template
+
     def needed(self, spec: Spec) -> bool:
         """Whether ``spec`` uses this kernel at all."""
         return True

@@ -50,7 +50,7 @@ from typing import Any, Mapping
 from flintgen import layout
 from flintgen.configs.qkv_config import (HIDDEN_RANGE, K_STEP, MMA_N, EpilogueLanes, QKVConfig, QKVSmem, token_tile,
                                          token_tiles)
-from flintgen.kernels import checks, kv_scales
+from flintgen.kernels import checks, kv_scales, qkv_stream
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
 from flintgen.spec import MAX_TOKENS_LIMIT, Spec
 
@@ -83,12 +83,17 @@ class QKVDef(KernelDef):
     def config(self, spec: Spec, max_m: int = MMA_N) -> QKVConfig:
         return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m)
 
-    def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | None = None,
-                max_m: int = MMA_N) -> Variant:
+    def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | qkv_stream.StreamConfig | None = None,
+                max_m: int = MMA_N, target: Target | None = None) -> Variant:
         """The binary of token tile ``max_m`` (8, 16, 32, 64: it serves M <= max_m)
         for ``spec``; ``debug`` adds the pre-norm output; ``config`` overrides the
-        heuristic (benchmark sweeps)."""
+        heuristic (benchmark sweeps): a QKVConfig (cluster design) or a
+        StreamConfig (streaming design, whose grid is ``target``'s SM count)."""
         cfg = config or self.config(spec, max_m)
+        if isinstance(cfg, qkv_stream.StreamConfig):
+            if target is None:
+                raise ValueError("qkv: a streaming variant needs the target (its grid is one CTA per SM)")
+            return qkv_stream.variant(spec, cfg, target, max_m, debug)
         # The shared-memory plan of this launch (whole xn rows, or K-chunks where they
         # do not fit a CTA); raises if not even chunks fit.
         QKVSmem.plan(spec.hidden_size, spec.head_dim, cfg.rows, cfg.warps, max_m)
@@ -140,8 +145,17 @@ class QKVDef(KernelDef):
         self.check_limits(spec)
         return [self.variant(spec, max_m=t) for t in token_tiles(spec.max_tokens)]
 
+    def variant_ptx(self, variant: Variant) -> tuple[str, ...]:
+        """What ``variant``'s design needs in its PTX."""
+        return qkv_stream.REQUIRED_PTX if dict(variant.params).get("design") == qkv_stream.DESIGN else self.required_ptx
+
+    def template_of(self, variant: Variant) -> str:
+        return qkv_stream.TEMPLATE if dict(variant.params).get("design") == qkv_stream.DESIGN else self.template
+
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
         p = dict(variant.params)
+        if p.get("design") == qkv_stream.DESIGN:
+            return qkv_stream.render_params(p)
         missing = [k for k in _PARAM_KEYS if k not in p]
         if missing:
             raise ValueError(f"qkv variant {variant.name} lacks parameters {missing}")
@@ -194,15 +208,17 @@ class QKVOp:
     name = "qkv"
 
     def __init__(self, kdef: QKVDef, spec: Spec, target: Target, load: Loader,
-                 config: QKVConfig | None = None):
+                 config: QKVConfig | qkv_stream.StreamConfig | None = None):
         self.spec = spec
         self.target = target
         self._def = kdef
         self._load = load
         self.tiles = token_tiles(spec.max_tokens)
-        self._variants = {t: kdef.variant(spec, config=config, max_m=t) for t in self.tiles}
+        self._variants = {t: kdef.variant(spec, config=config, max_m=t, target=target) for t in self.tiles}
         # debug binaries: built on the first call with pre_norm_out
-        self._debug_variants = {t: kdef.variant(spec, debug=True, config=config, max_m=t) for t in self.tiles}
+        self._debug_variants = {t: kdef.variant(spec, debug=True, config=config, max_m=t, target=target)
+                                for t in self.tiles}
+        self._workspace = qkv_stream.Workspace()
         self._norm = None
         h = spec.head_dim
         self.hidden = spec.hidden_size
@@ -443,20 +459,32 @@ class QKVOp:
             args += [q_norm_weight, k_norm_weight]
         if self.rope:
             args += [cos_sin_cache, positions]
+        kc, vc = k_cache, v_cache
         if self.kv_fp8:
             # a uint8 cache is viewed as e4m3 (same bytes), the kernel's cache element
             kv_t = getattr(torch, layout.kv_dtype(self.spec.kv_cache_dtype).torch_dtype)
-            args += [slot_mapping, q, k_cache.view(kv_t), v_cache.view(kv_t), k_scale.reshape(1),
-                     v_scale.reshape(1)]
+            kc, vc = k_cache.view(kv_t), v_cache.view(kv_t)
+            args += [slot_mapping, q, kc, vc, k_scale.reshape(1), v_scale.reshape(1)]
         else:
-            args += [slot_mapping, q, k_cache, v_cache]
+            args += [slot_mapping, q, kc, vc]
         if pre_norm_out is not None:
             args.append(pre_norm_out)
         if self.spec.qk_norm:
             args.append(qk_eps)
-        tile = token_tile(m)
-        fn = self._load((self._debug_variants if pre_norm_out is not None else self._variants)[tile])
-        fn(*args)
+        v = (self._debug_variants if pre_norm_out is not None else self._variants)[token_tile(m)]
+        p = dict(v.params)
+        if p.get("design") == qkv_stream.DESIGN:
+            # the streaming binary: its argument table, tensors by name
+            plan = qkv_stream.plan_of(p)
+            ws, counters = self._workspace.get(x.device, plan.workspace_floats, plan.heads)
+            named = dict(xn=xn, weight=weight, bias=bias, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                         cos_sin=cos_sin_cache, positions=positions, slot_mapping=slot_mapping, q=q,
+                         k_cache=kc, v_cache=vc,
+                         k_scale=k_scale.reshape(1) if self.kv_fp8 else None,
+                         v_scale=v_scale.reshape(1) if self.kv_fp8 else None,
+                         workspace=ws, counters=counters, pre=pre_norm_out, qk_eps=qk_eps)
+            args = [named[a.name] for a in qkv_stream.args_of(p)]
+        self._load(v)(*args)
         return q, res_out
 
     def warmup(self, device) -> None:

@@ -1,0 +1,168 @@
+"""Work plan of the streaming QKV GEMV (cute-free): a persistent split-K grid.
+
+The weights ``W [N, hidden]`` are cut into row blocks of ``block_rows`` rows
+(a head, or 128-row pieces of a 256-dim head) and each block into 64-value K
+steps. A *unit* is one (block, step): ``block_rows x 64`` weights. The units
+are numbered block-major, step-minor (``u = block * steps + step``) and the
+grid's ``grid`` CTAs take contiguous ranges::
+
+    CTA c: units [lo(c), lo(c + 1)),   lo(c) = c * units // grid
+
+so every CTA streams the same number of weight bytes (+-1 unit) whatever the
+head count, and a range covers the tail of one block and the head of the
+next (a *segment* per block it touches, at most ``max_segments``). A CTA
+accumulates each segment's fp32 partial sums ``[block_rows, max_m]`` and
+publishes them to its workspace slot ``c * max_segments + (block - first
+block of c)``; a per-head counter counts the units that arrived, and the CTA
+that completes a head sums the head's partials in CTA order (= K order:
+deterministic) and runs the per-head epilogue.
+
+Inside a CTA, ``warps = block_rows / 16`` warps each own 16 rows of the block
+(one m16 MMA tile) and all ``max_m`` tokens; a ring of ``stages`` shared-memory
+stages, each one unit's weight rows and xn's 64 values of every token, is
+filled by ``cp.async`` (16-byte pieces, ``stages - 1`` units in flight).
+Shared rows are padded to ``ROW_STRIDE`` bytes, so the 8 rows of a 16-byte
+access phase land on distinct banks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX
+
+K_STEP = 64             # k per unit (4 quads x 16 values)
+ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
+MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
+MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
+FLAG_BYTES = 16         # the arrival result broadcast to the CTA
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    hidden: int
+    head_dim: int
+    heads: int       # q + 2 kv heads of the rank
+    ctas: int        # CTAs the target runs at once (its SM count): the grid, at most one per unit
+    max_m: int       # token tile
+    stages: int = 0  # 0: as many as fit shared memory (up to MAX_STAGES)
+
+    def __post_init__(self) -> None:
+        if self.hidden % K_STEP or self.hidden < K_STEP:
+            raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {K_STEP}")
+        if self.head_dim % 16 or (self.head_dim > MAX_BLOCK_ROWS and self.head_dim % MAX_BLOCK_ROWS):
+            raise ValueError(f"StreamPlan: head_dim = {self.head_dim} must be a multiple of 16, and of "
+                             f"{MAX_BLOCK_ROWS} above {MAX_BLOCK_ROWS}")
+        if self.max_m % 8 or not 8 <= self.max_m <= 64:
+            raise ValueError(f"StreamPlan: max_m = {self.max_m} must be 8, 16, .., 64")
+        if self.ctas < 1 or self.heads < 1:
+            raise ValueError(f"StreamPlan: ctas = {self.ctas} and heads = {self.heads} must be >= 1")
+        if not 0 <= self.stages <= MAX_STAGES or self.stages == 1:
+            raise ValueError(f"StreamPlan: stages = {self.stages} must be 0 (fill shared memory) or "
+                             f"2..{MAX_STAGES}")
+        if self.ring_stages < 2:
+            raise ValueError(f"StreamPlan: {self.smem_bytes_for(2)} bytes of shared memory for two stages "
+                             f"exceed the {SMEM_PER_CTA_MAX} a CTA may use (max_m {self.max_m}, head_dim "
+                             f"{self.head_dim})")
+
+    # ------------------------------------------------------------ geometry
+    @property
+    def block_rows(self) -> int:
+        return min(self.head_dim, MAX_BLOCK_ROWS)
+
+    @property
+    def warps(self) -> int:
+        return self.block_rows // 16
+
+    @property
+    def blocks_per_head(self) -> int:
+        return self.head_dim // self.block_rows
+
+    @property
+    def steps(self) -> int:
+        return self.hidden // K_STEP
+
+    @property
+    def blocks(self) -> int:
+        return self.heads * self.blocks_per_head
+
+    @property
+    def units(self) -> int:
+        return self.blocks * self.steps
+
+    @property
+    def head_units(self) -> int:
+        """Units of one head: its counter's target."""
+        return self.blocks_per_head * self.steps
+
+    @property
+    def grid(self) -> int:
+        return min(self.ctas, self.units)
+
+    def lo(self, c: int) -> int:
+        """First unit of CTA ``c`` (``lo(grid) = units``)."""
+        return c * self.units // self.grid
+
+    def cta_of_unit(self, u: int) -> int:
+        """The CTA whose range holds unit ``u``: the largest c with lo(c) <= u."""
+        return ((u + 1) * self.grid - 1) // self.units
+
+    @property
+    def max_units(self) -> int:
+        """Units of the longest range."""
+        return -(-self.units // self.grid)
+
+    @property
+    def max_segments(self) -> int:
+        """Blocks a range of ``max_units`` consecutive units can touch."""
+        return (self.max_units + self.steps - 2) // self.steps + 1
+
+    def segments(self, c: int) -> list[tuple[int, int, int]]:
+        """CTA ``c``'s (block, first unit, end unit) segments, in order."""
+        lo, hi = self.lo(c), self.lo(c + 1)
+        out = []
+        for b in range(lo // self.steps, (hi - 1) // self.steps + 1):
+            out.append((b, max(lo, b * self.steps), min(hi, (b + 1) * self.steps)))
+        return out
+
+    def slot(self, c: int, block: int) -> int:
+        """Workspace slot of CTA ``c``'s segment of ``block``."""
+        return c * self.max_segments + block - self.lo(c) // self.steps
+
+    @property
+    def slots(self) -> int:
+        return self.grid * self.max_segments
+
+    @property
+    def workspace_floats(self) -> int:
+        """fp32 partials: ``[slots, block_rows, max_m]``."""
+        return self.slots * self.block_rows * self.max_m
+
+    # ------------------------------------------------------------ shared memory
+    @property
+    def stage_bytes(self) -> int:
+        """One unit: ``block_rows`` weight rows, then ``max_m`` xn rows, each ROW_STRIDE bytes."""
+        return (self.block_rows + self.max_m) * ROW_STRIDE
+
+    @property
+    def head_rows_bytes(self) -> int:
+        """The bf16 rows ``[max_m, head_dim]`` of the head being finished."""
+        return self.max_m * self.head_dim * 2
+
+    def smem_bytes_for(self, stages: int) -> int:
+        """Ring (128-aligned, first), head rows (16), the flag (16)."""
+        return stages * self.stage_bytes + self.head_rows_bytes + FLAG_BYTES
+
+    @property
+    def ring_stages(self) -> int:
+        """``stages``, or the most (<= MAX_STAGES) that fit a CTA."""
+        if self.stages:
+            return self.stages if self.smem_bytes_for(self.stages) <= SMEM_PER_CTA_MAX else 0
+        s = MAX_STAGES
+        while s > 0 and self.smem_bytes_for(s) > SMEM_PER_CTA_MAX:
+            s -= 1
+        return s
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.smem_bytes_for(self.ring_stages)

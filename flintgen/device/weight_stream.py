@@ -1,0 +1,141 @@
+"""Device pieces of the streaming QKV GEMV (flintgen.configs.qkv_stream_plan).
+
+Provenance: written for flintgen's streaming QKV GEMV.
+
+* ``cp.async`` 16-byte pieces global -> shared (``.cg``: L2 only, the weights
+  are read once), zero-filled where a predicate is 0 (tokens >= M), grouped and
+  waited on per ring stage.
+* One stage (``stage`` = its shared address) holds a unit: ``rows`` weight rows
+  and then ``max_m`` xn token rows, 64 bf16 values (128 bytes) each, at
+  ``ROW_STRIDE``-byte pitch::
+
+      stage + r * ROW_STRIDE              weight row r of the block, values [64 s, 64 s + 64)
+      stage + (rows + n) * ROW_STRIDE     token n of xn, the same values
+
+* Fragments (flintgen.device.gemv's K order): warp w owns block rows
+  [16 w, 16 w + 16); thread (g, t) reads rows 16 w + g and 16 w + g + 8, and
+  token g of each 8-token n-tile, at bytes [32 t, 32 t + 32) of the row.
+* Partials: ``ws [slots, rows, max_m]`` fp32; the thread's accumulator
+  ``acc[nt]`` (c0, c1 = row g, tokens 8 nt + 2t, +1; c2, c3 = row g + 8) is
+  two 8-byte pieces per n-tile.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cutlass_dsl import dsl_user_op
+
+from flintgen.configs.qkv_stream_plan import K_STEP, ROW_STRIDE
+from flintgen.device import ptx
+from flintgen.device.ptx import _asm
+
+ROW_PIECES = K_STEP * 2 // 16   # 16-byte pieces per staged row
+
+
+# ---------------------------------------------------------------- cp.async
+@dsl_user_op
+def cp_async_16(dst_smem, src_gmem, issue, fill, *, loc=None, ip=None):
+    """16 bytes global -> shared, asynchronous (L2 only), where ``issue``
+    (Int32) is nonzero: the bytes at ``src_gmem``, or zeros (nothing read)
+    where ``fill`` is 0. Nothing at all where ``issue`` is 0."""
+    _asm(
+        [], [(Uint32, dst_smem), (Int64, src_gmem), (Int32, issue), (Int32, fill)],
+        "{ .reg .pred p, z; .reg .b32 n; setp.ne.s32 p, $2, 0; setp.ne.s32 z, $3, 0; selp.b32 n, 16, 0, z;\n"
+        "@p cp.async.cg.shared.global [$0], [$1], 16, n; }",
+        side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None):
+    _asm([], [], "cp.async.commit_group;", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_wait(pending: int, *, loc=None, ip=None):
+    """Wait until at most ``pending`` of this thread's committed groups are in flight."""
+    _asm([], [], f"cp.async.wait_group {int(pending)};", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fence_gpu(*, loc=None, ip=None):
+    """``fence.acq_rel.gpu`` (``__threadfence``)."""
+    _asm([], [], "fence.acq_rel.gpu;", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def stg_f32x2(addr, a, b, *, loc=None, ip=None):
+    _asm([], [(Int64, addr), (Float32, a), (Float32, b)], "st.global.v2.f32 [$0], {$1, $2};",
+         side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def sts_b16(addr, w, *, loc=None, ip=None):
+    """The low 16 bits of ``w`` (Uint32) to shared memory."""
+    _asm([], [(Uint32, addr), (Uint32, w)],
+         "{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b16 [$0], h; }", side_effects=True, loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------- stage fill
+def issue_rows(stage, src0, src_pitch: int, first_row: int, n_rows: int, tid, threads: int, enable,
+               live_rows=None):
+    """cp.async ``n_rows`` rows of 128 bytes (row i from ``src0 + i * src_pitch``)
+    into ``stage`` rows ``first_row + i`` where ``enable`` (Int32) is nonzero;
+    thread ``tid`` takes pieces tid, tid + threads, ..; rows ``i >= live_rows``
+    (Int32 >= 1; None: all live) are zero-filled, addressed at row
+    ``live_rows - 1`` (nothing is read)."""
+    pieces = n_rows * ROW_PIECES
+    for k in range(-(-pieces // threads)):
+        q = tid + k * threads
+        i = q // ROW_PIECES
+        c = q % ROW_PIECES
+        issue = enable if (k + 1) * threads <= pieces else enable * Int32(q < pieces)
+        fill, src_row = Int32(1), i
+        if live_rows is not None:
+            fill = Int32(i < live_rows)
+            src_row = cutlass.min(i, live_rows - 1)
+        dst = stage + Int32((first_row + i) * ROW_STRIDE + c * 16)
+        cp_async_16(dst, src0 + Int64(src_row) * src_pitch + Int64(c * 16), issue, fill)
+
+
+# ---------------------------------------------------------------- fragments
+def load_a_bf16(stage, warp, g, t):
+    """Rows 16 warp + g and + 8 of the stage as 8 words each (gemv.a_fragments_bf16's input)."""
+    a = stage + Int32((warp * 16 + g) * ROW_STRIDE + t * 32)
+    b = a + Int32(8 * ROW_STRIDE)
+    return (list(ptx.lds_u32x4(a)) + list(ptx.lds_u32x4(a + 16)),
+            list(ptx.lds_u32x4(b)) + list(ptx.lds_u32x4(b + 16)))
+
+
+def load_b(stage, rows: int, nt: int, g, t):
+    """Token 8 nt + g's 16 values of the stage (8 bf16x2 words)."""
+    a = stage + Int32((rows + nt * 8 + g) * ROW_STRIDE + t * 32)
+    return list(ptx.lds_u32x4(a)) + list(ptx.lds_u32x4(a + 16))
+
+
+# ---------------------------------------------------------------- partials
+def partial_offsets(warp, g, t, nt: int, max_m: int):
+    """Element offsets in a slot of the thread's (c0, c1) and (c2, c3) pairs of n-tile ``nt``."""
+    r = warp * 16 + g
+    n = nt * 8 + 2 * t
+    return r * max_m + n, (r + 8) * max_m + n
+
+
+def store_partial(ws_slot, acc, warp, g, t, max_m: int):
+    """The thread's accumulators of every n-tile into slot ``ws_slot`` (global address)."""
+    for nt in range(len(acc)):
+        o0, o8 = partial_offsets(warp, g, t, nt, max_m)
+        stg_f32x2(ws_slot + Int64(o0) * 4, acc[nt][0], acc[nt][1])
+        stg_f32x2(ws_slot + Int64(o8) * 4, acc[nt][2], acc[nt][3])
+
+
+def add_partial(y, ws_slot, warp, g, t, max_m: int):
+    """``y[nt][j] += `` the slot's values at the thread's accumulator positions (L2 loads)."""
+    out = []
+    for nt in range(len(y)):
+        o0, o8 = partial_offsets(warp, g, t, nt, max_m)
+        p0 = ptx.ldg_cg_f32x2(ws_slot + Int64(o0) * 4)
+        p8 = ptx.ldg_cg_f32x2(ws_slot + Int64(o8) * 4)
+        out.append([y[nt][0] + p0[0], y[nt][1] + p0[1], y[nt][2] + p8[0], y[nt][3] + p8[1]])
+    return out

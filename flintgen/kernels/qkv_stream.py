@@ -1,0 +1,132 @@
+"""The streaming design of the fused QKV GEMV (templates/qkv_stream.py.j2): its
+launch config, variant parameters, argument table and workspace.
+
+QKVDef (flintgen.kernels.qkv) renders a variant with ``design = "stream"``
+from this template; everything else (spec checks, the RMSNorm kernel, the
+epilogue's lane mapping, the op's validation) is the fused QKV step's.
+Weights: bf16 (NVFP4 runs the cluster design).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from flintgen import layout
+from flintgen.configs.qkv_config import EpilogueLanes
+from flintgen.configs.qkv_stream_plan import StreamPlan
+from flintgen.kernels.base import Target, Variant
+from flintgen.spec import Spec
+
+TEMPLATE = "qkv_stream.py.j2"
+DESIGN = "stream"
+# What the design needs in every variant's PTX (tests/test_compile.py).
+REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
+                "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch configuration of the streaming design: ``stages`` of the ring
+    (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages)."""
+
+    stages: int = 0
+
+    def __post_init__(self) -> None:
+        StreamPlan(hidden=64, head_dim=64, heads=1, ctas=1, max_m=8, stages=self.stages)  # range check
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    ann: str   # annotation in the rendered signatures
+
+
+def args_of(p: Mapping[str, Any]) -> list[Arg]:
+    """The kernel's argument table (variant params ``p``), in call order: the
+    template renders every signature from it and the op passes its tensors by it."""
+    T = "cute.Tensor"
+    out = [Arg("xn", T), Arg("weight", T)]
+    if p["bias"]:
+        out.append(Arg("bias", T))
+    if p["qk_norm"]:
+        out += [Arg("q_norm_weight", T), Arg("k_norm_weight", T)]
+    if p["rope"]:
+        out += [Arg("cos_sin", T), Arg("positions", T)]
+    out += [Arg("slot_mapping", T), Arg("q", T), Arg("k_cache", T), Arg("v_cache", T)]
+    if p.get("kv_dtype", "bf16") == "fp8_e4m3":
+        out += [Arg("k_scale", T), Arg("v_scale", T)]
+    out += [Arg("workspace", T), Arg("counters", T)]
+    if p["debug"]:
+        out.append(Arg("pre", T))
+    if p["qk_norm"]:
+        out.append(Arg("qk_eps", "Float32"))
+    return out
+
+
+def plan_of(p: Mapping[str, Any]) -> StreamPlan:
+    return StreamPlan(hidden=p["hidden"], head_dim=p["head_dim"], heads=p["q_heads"] + 2 * p["kv_heads"],
+                      ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"])
+
+
+def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
+    if spec.weight_format != "bf16":
+        raise ValueError(f"qkv: the streaming design takes bf16 weights, spec {spec.name!r} has "
+                         f"{spec.weight_format!r}: use the cluster design (QKVConfig) for NVFP4")
+    p = dict(design=DESIGN, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
+             kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim, weight_format="bf16", bias=spec.qkv_bias,
+             rope=spec.rope_style != "none", rope_dim=spec.rope_dim, interleaved=spec.rope_style == "interleaved",
+             qk_norm=spec.qk_norm, norm_offset=spec.norm_weight_offset if spec.qk_norm else 0, debug=debug,
+             max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
+    plan_of(p)   # raises where the shape does not fit
+    return Variant.of("qkv", **p)
+
+
+def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
+    plan = plan_of(p)
+    kv = layout.kv_dtype(p["kv_dtype"])
+    lanes = EpilogueLanes.of(p["head_dim"], p["rope_dim"] if p["rope"] else p["head_dim"], p["interleaved"])
+    args = args_of(p)
+    return {
+        "args": args, "arg_names": ", ".join(a.name for a in args),
+        "arg_sig": ", ".join(f"{a.name}: {a.ann}" for a in args), "hidden": p["hidden"], "head_dim": p["head_dim"], "q_heads": p["q_heads"],
+        "kv_heads": p["kv_heads"], "n_rows": (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"],
+        "max_m": p["max_m"], "block_rows": plan.block_rows, "warps": plan.warps,
+        "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
+        "max_segments": plan.max_segments, "stages": plan.ring_stages, "stage_bytes": plan.stage_bytes,
+        "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
+        "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
+        "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
+        "pass_e": lanes.pass_e, "pass_lanes": lanes.pass_lanes, "debug": p["debug"],
+        "kv_type": kv.cutlass_type, "kv_elem_bytes": kv.elem_bytes, "kv_fp8": kv.name == "fp8_e4m3",
+    }
+
+
+class Workspace:
+    """Per-device buffers of the streaming binaries: fp32 partials (sized for
+    the largest plan) and per-head arrival counters, zeroed once; every launch
+    leaves them at zero again. Launches sharing them run in stream order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bufs: dict[Any, tuple[Any, Any]] = {}
+
+    def get(self, device, floats: int, heads: int):
+        import torch
+
+        bufs = self._bufs.get(device)
+        if bufs is not None and bufs[0].numel() >= floats:
+            return bufs
+        with self._lock:
+            bufs = self._bufs.get(device)
+            if bufs is None or bufs[0].numel() < floats:
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("flintgen qkv: the streaming GEMV's workspace is allocated on first use, "
+                                       "which must not be inside a CUDA-graph capture: call op.warmup(device) "
+                                       "(or flintgen.warmup(spec)) before capturing")
+                bufs = (torch.empty(floats, dtype=torch.float32, device=device),
+                        torch.zeros(heads, dtype=torch.int32, device=device))
+                self._bufs[device] = bufs
+        return bufs
