@@ -24,6 +24,11 @@ DIR, no GPU needed; carry DIR and set FLINTGEN_CACHE_DIR to it on the GPU.
 M = 1 and 8 writing an e4m3 cache (k_scale / v_scale device tensors) against
 the same step writing the bf16 cache, same weights and inputs.
 
+``--stream`` (issue 18, results/qkv_stream.md): the BF16 specs of ``--tokens`` at
+every M, the streaming design (persistent split-K grid, cp.async ring;
+flintgen.kernels.qkv_stream) against the cluster design and the torch path,
+the GEMV alone and the whole step; ``--stages 4,8`` adds those ring depths.
+
 ``--sweep`` also times alternative launch configurations of both specs
 (``sweep_configs``), each as the GEMV alone and as the whole step
 (results/qkv_sweep.md).
@@ -33,7 +38,7 @@ layers stream from HBM), one copy per captured call. Floors: bytes / the read
 bandwidth measured in the same process. Peer: torch F.linear on bf16 weights
 (cuBLAS) for the GEMV alone.
 
-    python -m benchmarks.qkv [--sweep | --shapes | --fp8 | --tokens] [--prebuild DIR]
+    python -m benchmarks.qkv [--sweep | --shapes | --fp8 | --tokens | --stream] [--prebuild DIR]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import flintgen
 from benchmarks.harness import Row, read_bandwidth, time_graph, write_results
 from flintgen import quant
 from flintgen.configs.qkv_config import QKVConfig, token_tile
+from flintgen.kernels import qkv_stream
 from flintgen.kernels.qkv import QKVDef, QKVOp
 from flintgen.runtime import load_variant
 
@@ -104,6 +110,16 @@ class Layers:
         if self.qn is not None:
             args.append(1e-6)
         return args
+
+    def stream_args(self, w, op, v):
+        """The streaming binary ``v``'s arguments (its table; ``op``'s workspace)."""
+        p = dict(v.params)
+        ws, counters = op._workspace.get(self.x.device, qkv_stream.plan_of(p).workspace_floats,
+                                         qkv_stream.plan_of(p).heads)
+        named = dict(xn=self.xn, weight=w[0], bias=self.bias, q_norm_weight=self.qn, k_norm_weight=self.kn,
+                     cos_sin=self.cs, positions=self.pos, slot_mapping=self.slots, q=self.q, k_cache=self.k,
+                     v_cache=self.v, workspace=ws, counters=counters, qk_eps=1e-6, **self.kv_kw)
+        return [named[a.name] for a in qkv_stream.args_of(p)]
 
 
 def torch_step(spec, lay, w):
@@ -197,8 +213,19 @@ def fp8_specs():
     return [s.replace(kv_cache_dtype=kv) for s in (flint, big) for kv in ("bf16", "fp8_e4m3")]
 
 
+def stream_configs():
+    """--stream: (label, config) of the designs timed per M."""
+    out = [("cluster", None), ("stream", qkv_stream.StreamConfig())]
+    if "--stages" in sys.argv:
+        out += [(f"stream s{n}", qkv_stream.StreamConfig(stages=int(n)))
+                for n in sys.argv[sys.argv.index("--stages") + 1].split(",")]
+    return out
+
+
 def mode_plan():
     """The table of the mode in sys.argv: ([(spec, token counts)], results name)."""
+    if "--stream" in sys.argv:
+        return [(s, ms) for s, ms in token_specs() if s.weight_format == "bf16"], "qkv_stream"
     if "--shapes" in sys.argv:
         return report_specs(), "qkv_shapes"
     if "--tokens" in sys.argv:
@@ -218,6 +245,11 @@ def prebuild(root):
     specs = fp8_specs() if "--fp8" in sys.argv else [s for s, _ in mode_plan()[0]]
     target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
     todo = [(s, k, v) for s in specs for k, v in _plan(s, target, ("rms_norm", "qkv"))]
+    if "--stream" in sys.argv:
+        from flintgen.configs.qkv_config import token_tiles
+
+        todo += [(s, "qkv", KDEF.variant(s, config=cfg, max_m=t, target=target)) for s in specs
+                 for _, cfg in stream_configs() if cfg is not None for t in token_tiles(s.max_tokens)]
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2)), mp_context=ctx) as pool:
         for f in [pool.submit(_build_one, s, k, v, target, os.path.abspath(root)) for s, k, v in todo]:
@@ -259,11 +291,73 @@ def fp8_main():
                         "weights rotate over copies exceeding L2."))
 
 
+def stream_main():
+    """--stream: each design's GEMV and step per M, the torch path beside them."""
+    from flintgen import toolchain
+
+    t = toolchain.resolve_target()
+    bw = read_bandwidth()
+    rows = []
+    for spec, ms in mode_plan()[0]:
+        wb = weight_bytes(spec)
+        weights = make_weights(spec, copies_for(spec))
+        wl = [w[0] for w in weights]
+        ops = {}
+        for label, cfg in stream_configs():
+            ops[label] = QKVOp(KDEF, spec, t, lambda v: load_variant(KDEF, spec, v, t)[0], config=cfg)
+            ops[label].warmup(torch.device("cuda"))
+        for m in ms:
+            lay = Layers(spec, m, weights)
+            act = m * spec.hidden_size * 2 * 4 + m * spec.qkv_out_features * 2
+            j = [0]
+
+            def torch_path():
+                j[0] += 1
+                return torch_step(spec, lay, wl[j[0] % len(wl)])
+
+            def torch_linear():
+                j[0] += 1
+                return torch.nn.functional.linear(lay.xn, wl[j[0] % len(wl)])
+
+            peers_step = {"torch eager step, bf16": time_graph(torch_path)["median_us"]}
+            peers_gemv = {"torch F.linear bf16 (GEMV only)": time_graph(torch_linear)["median_us"]}
+            for label, op in ops.items():
+                v = op._variants[token_tile(m)]
+                fn = load_variant(KDEF, spec, v, t)[0]
+
+                def step(op=op):
+                    w = lay.weights()
+                    return op(lay.x, lay.res, lay.norm_w, w[0], w[1], w[2], lay.qn, lay.kn, lay.cs, lay.pos,
+                              lay.k, lay.v, lay.slots, lay.bias, q_out=lay.q, xn_out=lay.xn,
+                              residual_out=lay.res, **lay.kv_kw)
+
+                if dict(v.params).get("design") == qkv_stream.DESIGN:
+                    def gemv(fn=fn, op=op, v=v):
+                        fn(*lay.stream_args(lay.weights(), op, v))
+                else:
+                    def gemv(fn=fn):
+                        fn(*lay.gemv_args(lay.weights()))
+
+                whole, alone = time_graph(step), time_graph(gemv)
+                case = {"spec": spec.name, "M": m, "design": label}
+                rows.append(Row(dict(case, what="RMSNorm + QKV step"), whole["median_us"], (wb + act) / bw * 1e6,
+                                peers_step, {"p10_us": whole["p10_us"], "p90_us": whole["p90_us"], "variant": v.name}))
+                rows.append(Row(dict(case, what="QKV GEMV kernel"), alone["median_us"], wb / bw * 1e6, peers_gemv,
+                                {"p10_us": alone["p10_us"], "p90_us": alone["p90_us"], "variant": v.name}))
+                print(spec.name, m, label, f"step {whole['median_us']:.2f} us, GEMV {alone['median_us']:.2f} us "
+                      f"({rows[-1].pct_of_floor:.0f}% of floor)", flush=True)
+    print(write_results("qkv_stream", rows, bw, "BF16 weights rotate over copies exceeding L2. Floor: weight "
+                        "(+ activation) bytes / read bandwidth. Designs: cluster = the register-prefetch GEMV "
+                        "(clusters per head), stream = the persistent split-K grid with a cp.async ring."))
+
+
 def main():
     if "--prebuild" in sys.argv:
         return prebuild(sys.argv[sys.argv.index("--prebuild") + 1])
     if "--fp8" in sys.argv:
         return fp8_main()
+    if "--stream" in sys.argv:
+        return stream_main()
     sweep = "--sweep" in sys.argv
     plan, name = mode_plan()
     from flintgen import toolchain

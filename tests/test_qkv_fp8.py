@@ -186,15 +186,15 @@ class Pair:
     cache, ``q``, ``k8`` / ``v8`` the fp8 binary's."""
 
     def __init__(self, name, m, *, seed=0, f8=False, hnd=True, mutate=None, scales=None, spec8=None,
-                 spec_b=None):
+                 spec_b=None, op_b=None, op8=None):
         self.spec_b = spec_b or SPECS[name]
         self.spec8 = spec8 or SPECS[name + "_fp8"]
         c = self.c = Case(self.spec_b, m, seed=seed, residual=(m % 2 == 0), n_slots=max(m - (m % 3 == 2), 1),
                           hnd=True)
         if mutate is not None:
             mutate(c)
-        self.op_b = flintgen.get_kernel(self.spec_b, "qkv")
-        self.op8 = flintgen.get_kernel(self.spec8, "qkv")
+        self.op_b = op_b or flintgen.get_kernel(self.spec_b, "qkv")
+        self.op8 = op8 or flintgen.get_kernel(self.spec8, "qkv")
         q_b, _ = c.run(self.op_b, debug=False)
         self.q_b, self.k_b, self.v_b = q_b.clone(), c.k_cache.clone(), c.v_cache.clone()
         kv, d = c.kv, c.d

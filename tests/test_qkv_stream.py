@@ -1,0 +1,339 @@
+"""The streaming design of the fused QKV GEMV (persistent split-K grid, cp.async
+ring, per-head arrival counters): flintgen.configs.qkv_stream_plan,
+flintgen.kernels.qkv_stream, templates/qkv_stream.py.j2.
+
+* CPU: the plan's closed forms against brute force (every unit in exactly one
+  CTA range, segments and slots, the segment bound, the counter target), the
+  variants and their refusals.
+* ``compile`` (sm_90a): token tiles 8 .. 64 of head dims 64 / 96 / 128 / 256,
+  bias, partial / interleaved rotary and an fp8 cache compile spill-free with
+  the design's PTX (4 MMAs per n-tile and segment loop body).
+* GPU: test_qkv's numerics contract at M 1 .. 64 (slot_mapping shorter than
+  M), fp8 cache bytes bit-exact with the bf16 binary's rows quantized, ring
+  depths 2 and the largest, CUDA-graph replay with changed inputs, layers
+  back to back without syncs, counters back at zero after every launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flintgen.configs import qkv_stream_plan as sp
+from flintgen.kernels.base import Target
+from flintgen.kernels.qkv import QKVDef, QKVOp
+from flintgen.kernels.qkv_stream import REQUIRED_PTX, StreamConfig, args_of, plan_of
+from flintgen.presets import FLINT
+
+KDEF = QKVDef()
+T132 = Target("sm_90a", 132)
+
+
+# ----------------------------------------------------------------- plan
+PLANS = [(2048, 128, 40, 132, 8), (4096, 128, 48, 132, 64), (2880, 64, 80, 132, 16), (896, 64, 18, 132, 8),
+         (16384, 256, 6, 132, 64), (3072, 96, 48, 114, 32), (512, 128, 3, 132, 8), (1024, 64, 2, 7, 8)]
+
+
+@pytest.mark.parametrize("hidden, d, heads, ctas, mm", PLANS)
+def test_plan_closed_forms_match_brute_force(hidden, d, heads, ctas, mm):
+    p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm)
+    assert p.grid == min(ctas, p.units) and p.block_rows * p.blocks_per_head == d
+    owner = [None] * p.units
+    slots = set()
+    head_units = [0] * heads
+    for c in range(p.grid):
+        lo, hi = p.lo(c), p.lo(c + 1)
+        assert hi - lo in (p.units // p.grid, p.max_units)          # balanced: +-1 unit
+        segs = p.segments(c)
+        assert 1 <= len(segs) <= p.max_segments
+        assert segs[0][1] == lo and segs[-1][2] == hi
+        for b, a, e in segs:
+            assert b * p.steps <= a < e <= (b + 1) * p.steps
+            s = p.slot(c, b)
+            assert 0 <= s < p.slots and s not in slots
+            slots.add(s)
+            head_units[b // p.blocks_per_head] += e - a
+            for u in range(a, e):
+                assert owner[u] is None
+                owner[u] = c
+    assert all(o is not None for o in owner)
+    assert all(p.cta_of_unit(u) == owner[u] for u in range(p.units))
+    assert head_units == [p.head_units] * heads                     # each head's counter reaches its target
+    assert p.workspace_floats == p.slots * p.block_rows * mm
+    assert 2 <= p.ring_stages <= sp.MAX_STAGES and p.smem_bytes <= sp.SMEM_PER_CTA_MAX
+
+
+def test_plan_segment_bound_is_tight():
+    """A range of max_units units can touch max_segments blocks, never more."""
+    for steps in (1, 2, 5, 14, 64):
+        for n in range(1, 3 * steps + 2):
+            worst = max((u0 + n - 1) // steps - u0 // steps + 1 for u0 in range(steps))
+            assert (n + steps - 2) // steps + 1 == worst, (steps, n)
+
+
+def test_plan_refusals():
+    with pytest.raises(ValueError, match=r"hidden = 100 must be a positive multiple of 64"):
+        sp.StreamPlan(hidden=100, head_dim=128, heads=1, ctas=132, max_m=8)
+    with pytest.raises(ValueError, match=r"head_dim = 192 must be a multiple of 16, and of 128 above 128"):
+        sp.StreamPlan(hidden=1024, head_dim=192, heads=1, ctas=132, max_m=8)
+    with pytest.raises(ValueError, match=r"max_m = 12 must be 8, 16, .., 64"):
+        sp.StreamPlan(hidden=1024, head_dim=128, heads=1, ctas=132, max_m=12)
+    with pytest.raises(ValueError, match=r"stages = 1 must be 0 \(fill shared memory\) or 2..16"):
+        StreamConfig(stages=1)
+
+
+# ----------------------------------------------------------------- variants
+F64 = FLINT.replace(weight_format="bf16", max_tokens=64)
+
+
+def test_variant_and_template():
+    v = KDEF.variant(F64, config=StreamConfig(), max_m=16, target=T132)
+    assert v["design"] == "stream" and v["ctas"] == 132 and v["max_m"] == 16
+    assert KDEF.template_of(v) == "qkv_stream.py.j2" and KDEF.variant_ptx(v) == REQUIRED_PTX
+    cluster = KDEF.variant(F64, max_m=16)
+    assert KDEF.template_of(cluster) == "qkv_gemv.py.j2" and KDEF.variant_ptx(cluster) == KDEF.required_ptx
+    p = KDEF.render_params(F64, v)
+    assert p["grid"] == 132 and p["stages"] == plan_of(dict(v.params)).ring_stages
+    # the argument table: every tensor the kernel takes, in call order
+    names = [a.name for a in args_of(dict(v.params))]
+    assert names == ["xn", "weight", "q_norm_weight", "k_norm_weight", "cos_sin", "positions", "slot_mapping",
+                     "q", "k_cache", "v_cache", "workspace", "counters", "qk_eps"]
+    assert p["arg_names"] == ", ".join(names)
+    dbg = KDEF.variant(F64.replace(qkv_bias=True, kv_cache_dtype="fp8_e4m3"), debug=True,
+                       config=StreamConfig(stages=4), max_m=8, target=T132)
+    names = [a.name for a in args_of(dict(dbg.params))]
+    assert names[2] == "bias"
+    assert names[-6:] == ["k_scale", "v_scale", "workspace", "counters", "pre", "qk_eps"]
+    # another SM count is another binary
+    assert KDEF.variant(F64, config=StreamConfig(), max_m=16, target=Target("sm_90a", 114)) != v
+
+
+def test_variant_refusals():
+    with pytest.raises(ValueError, match=r"the streaming design takes bf16 weights, spec 'flint' has 'nvfp4': "
+                                         r"use the cluster design"):
+        KDEF.variant(FLINT, config=StreamConfig(), target=T132)
+    with pytest.raises(ValueError, match=r"a streaming variant needs the target"):
+        KDEF.variant(F64, config=StreamConfig())
+
+
+# ----------------------------------------------------------------- compile
+def _spec(name):
+    from test_qkv import SPECS
+
+    return SPECS[name].replace(max_tokens=64)
+
+
+COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 16), ("bf16_4096", 32), ("oss_bf16", 64),
+           ("h16384_bf16", 64), ("d96_r24", 8), ("glm4", 32), ("phi4_mini", 64), ("oss_bf16_fp8", 8),
+           ("d96_r24_fp8", 64), ("qwen_896", 16)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m", COMPILE, ids=[f"{n}-M{m}" for n, m in COMPILE])
+def test_stream_compiles_clean(name, max_m):
+    from decode_attention_cases import check_compiled
+
+    from flintgen.runtime import load_variant
+
+    spec = _spec(name)
+    v = KDEF.variant(spec, config=StreamConfig(), max_m=max_m, target=T132)
+    load_variant(KDEF, spec, v, T132)
+    res, ptx = check_compiled(KDEF, spec, v, T132)
+    p = KDEF.render_params(spec, v)
+    # one CTA per SM (the ring fills shared memory): registers up to 255 per thread are free
+    assert p["stages"] >= 4, p["stages"]
+    # the unit loop body of each segment: 4 MMAs per 8-token n-tile
+    assert ptx.count("mma.sync.aligned.m16n8k16") == p["max_segments"] * 4 * (max_m // 8)
+    assert ptx.count("cp.async.wait_group") == p["max_segments"]
+
+
+# ----------------------------------------------------------------- GPU
+def _op(spec, cfg=StreamConfig()):
+    from flintgen import toolchain
+    from flintgen.runtime import load_variant
+
+    t = toolchain.resolve_target()
+    return QKVOp(KDEF, spec, t, lambda v: load_variant(KDEF, spec, v, t)[0], config=cfg)
+
+
+_OPS = {}
+
+
+def _stream_op(name, cfg=StreamConfig()):
+    if (name, cfg) not in _OPS:
+        _OPS[name, cfg] = _op(_spec(name), cfg)
+    return _OPS[name, cfg]
+
+
+def _counters_zero(op):
+    for ws, counters in op._workspace._bufs.values():
+        torch.cuda.synchronize()
+        assert int(counters.abs().sum()) == 0, "a head counter was not reset"
+
+
+TILE_MS = (1, 7, 8, 9, 16, 33, 63, 64)
+GPU_CASES = ([("flint_bf16", m) for m in TILE_MS] + [("bf16_4096", m) for m in TILE_MS]
+             + [("oss_bf16", 5), ("oss_bf16", 64), ("h16384_bf16", 3), ("h16384_bf16", 40), ("d96_r24", 8),
+                ("d96_r24", 57), ("glm4", 2), ("glm4", 33), ("phi4_mini", 17), ("qwen_896", 9), ("qwen3_1024", 64)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m", GPU_CASES, ids=[f"{n}-M{m}" for n, m in GPU_CASES])
+def test_stream_numerics(name, m):
+    op = _stream_op(name)
+    _numerics_spec(op, name, m)
+    _counters_zero(op)
+
+
+def _numerics_spec(op, name, m):
+    """test_qkv._numerics on the max_tokens-64 twin of SPECS[name] (slot_mapping shorter than M)."""
+    from test_qkv import SPECS, _numerics
+
+    key = f"{name}_t64s"
+    SPECS.setdefault(key, _spec(name))
+    _numerics(op, key, m, max(1, m - 1 - m // 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages, m", [(2, 9), (2, 64), (3, 1), (16, 8)])
+def test_stream_ring_depths(stages, m):
+    spec = _spec("bf16_4096")
+    plan = sp.StreamPlan(hidden=spec.hidden_size, head_dim=spec.head_dim, heads=48, ctas=132,
+                         max_m=8 if m <= 8 else 64, stages=stages)
+    if not plan.ring_stages:
+        pytest.skip(f"{stages} stages do not fit shared memory at this tile")
+    _numerics_spec(_stream_op("bf16_4096", StreamConfig(stages=stages)), "bf16_4096", m)
+
+
+FP8 = [("oss_bf16", 8), ("oss_bf16", 64), ("d96_r24", 33), ("glm4", 16), ("phi4_mini", 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m", FP8, ids=[f"{n}-M{m}" for n, m in FP8])
+def test_stream_fp8_cache_bit_exact(name, m):
+    """The fp8 binary stores e4m3(bf16 row / scale) of the bf16 binary's rows, bit-exact; q identical."""
+    from test_qkv_fp8 import Pair
+
+    spec_b, spec8 = _spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")
+    p = Pair(name, m, seed=300 + m, spec_b=spec_b, spec8=spec8, op_b=_op(spec_b), op8=_op(spec8))
+    p.run().check(f"stream {name} M={m}")
+    _counters_zero(p.op8)
+
+
+@pytest.mark.gpu
+def test_stream_graph_replay_with_changed_inputs():
+    """A graph captured per token tile replays with new x / weights / positions
+    in place and matches eager calls on the same inputs (counters reset
+    inside the graph: every replay sees zeros)."""
+    from test_qkv import Case
+
+    spec = _spec("bf16_4096")
+    op = _stream_op("bf16_4096")
+    op.warmup(torch.device("cuda"))
+    for m in (1, 9, 64):
+        c = Case(spec, m, seed=11 + m, n_slots=m)
+        a = list(c.args())
+        q_out = torch.empty(m, c.qh * c.d, dtype=torch.bfloat16, device="cuda")
+        xn = torch.empty_like(c.x)
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            op(*a, q_out=q_out, xn_out=xn)
+        for r in range(3):
+            fresh = Case(spec, m, seed=1000 * r + m, n_slots=m)
+            for dst, src in zip(a, fresh.args()):
+                if isinstance(dst, torch.Tensor) and dst is not c.k_cache and dst is not c.v_cache:
+                    dst.copy_(src)
+            c.poison()
+            g.replay()
+            torch.cuda.synchronize()
+            q_g, k_g, v_g = q_out.clone(), c.k_cache.clone(), c.v_cache.clone()
+            c.poison()
+            q_e, _ = op(*a)
+            torch.cuda.synchronize()
+            assert torch.equal(q_g, q_e), f"M={m} replay {r}"
+            assert torch.equal(k_g.nan_to_num(7.0), c.k_cache.nan_to_num(7.0)), f"M={m} replay {r}"
+            assert torch.equal(v_g.nan_to_num(7.0), c.v_cache.nan_to_num(7.0)), f"M={m} replay {r}"
+        _counters_zero(op)
+
+
+@pytest.mark.gpu
+def test_stream_layers_back_to_back_race_free():
+    """Layers launched back to back (PDL, shared workspace and counters) give
+    the bits of the same layers separated by synchronizations."""
+    from test_qkv import Case
+
+    spec = _spec("flint_bf16")
+    op = _stream_op("flint_bf16")
+    layers = [Case(spec, 33, seed=70 + i, n_slots=33) for i in range(5)]
+    for i, c in enumerate(layers):
+        c.slots = torch.arange(33 * i, 33 * i + 33, device="cuda") % (6 * 16)
+        c.k_cache, c.v_cache = layers[0].k_cache, layers[0].v_cache
+
+    def chain(sync):
+        res = layers[0].residual.clone()
+        xn = torch.empty_like(layers[0].x)
+        q = torch.empty(33, spec.num_q_heads * 128, dtype=torch.bfloat16, device="cuda")
+        layers[0].poison()
+        torch.cuda.synchronize()
+        outs = []
+        for c in layers:
+            a = list(c.args())
+            a[1] = res
+            op(*a, q_out=q, xn_out=xn, residual_out=res)
+            outs.append(q.clone())
+            if sync:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return outs + [res.clone(), layers[0].k_cache.clone(), layers[0].v_cache.clone()]
+
+    want = chain(True)
+    for _ in range(3):
+        for a, b in zip(chain(False), want):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    _counters_zero(op)
+
+
+# ----------------------------------------------------------------- prebuild for a GPU machine without the DSL
+def gpu_variants(target):
+    """(spec, variant) of every binary the GPU tests above load (every token tile,
+    production and debug; the ring depths' configs; the specs' RMSNorm kernels)."""
+    from flintgen.configs.qkv_config import TOKEN_TILES
+    from flintgen.kernels import get_def
+
+    todo = []
+    names = sorted({n for n, _ in GPU_CASES + FP8} | {"bf16_4096"})
+    cfgs = [StreamConfig()] + [StreamConfig(stages=s) for s, _ in [(2, 0), (3, 0), (16, 0)]]
+    for name in names:
+        for spec in (_spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")):
+            if spec.kv_cache_dtype == "fp8_e4m3" and name not in dict(FP8):
+                continue
+            rms = get_def("rms_norm")
+            todo += [(rms, spec, v) for v in rms.variants(spec, target)]
+            for cfg in cfgs if name == "bf16_4096" else cfgs[:1]:
+                for tile in TOKEN_TILES:
+                    for debug in (False, True):
+                        try:
+                            v = KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=debug)
+                        except ValueError:   # a ring depth that does not fit this tile
+                            continue
+                        todo.append((KDEF, spec, v))
+    return todo
+
+
+if __name__ == "__main__":
+    # python tests/test_qkv_stream.py --prebuild DIR: compile them for sm_90a / 132 SMs into DIR
+    import concurrent.futures as cf
+    import multiprocessing
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from flintgen.cli import _build_one
+
+    root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
+    todo = {(k.name, v): (k, s, v) for k, s, v in gpu_variants(T132)}
+    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_build_one, s, k.name, v, T132, root) for k, s, v in todo.values()]:
+            f.result()
+    print(f"prebuilt {len(todo)} variants into {root}")
