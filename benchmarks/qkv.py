@@ -27,7 +27,7 @@ the same step writing the bf16 cache, same weights and inputs.
 ``--stream`` (issue 18, results/qkv_stream.md): the BF16 specs of ``--tokens`` at
 every M, the streaming design (persistent split-K grid, cp.async ring;
 flintgen.kernels.qkv_stream) against the cluster design and the torch path,
-the GEMV alone and the whole step; ``--stages 4,8`` adds those ring depths.
+the GEMV alone and the whole step; ``--stages 4,6`` adds those ring depths.
 
 ``--sweep`` also times alternative launch configurations of both specs
 (``sweep_configs``), each as the GEMV alone and as the whole step

@@ -80,6 +80,9 @@ def test_plan_refusals():
         sp.StreamPlan(hidden=1024, head_dim=128, heads=1, ctas=132, max_m=12)
     with pytest.raises(ValueError, match=r"stages = 1 must be 0 \(fill shared memory\) or 2..16"):
         StreamConfig(stages=1)
+    with pytest.raises(ValueError, match=r"8 stages of 27648 bytes \(max_m 64, head_dim 128\) need 237584 bytes "
+                                         r"of shared memory, over the 232448 a CTA may use: use at most 7 stages"):
+        sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=8)
 
 
 # ----------------------------------------------------------------- variants

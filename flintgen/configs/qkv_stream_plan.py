@@ -61,9 +61,12 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: stages = {self.stages} must be 0 (fill shared memory) or "
                              f"2..{MAX_STAGES}")
         if self.ring_stages < 2:
-            raise ValueError(f"StreamPlan: {self.smem_bytes_for(2)} bytes of shared memory for two stages "
-                             f"exceed the {SMEM_PER_CTA_MAX} a CTA may use (max_m {self.max_m}, head_dim "
-                             f"{self.head_dim})")
+            want = self.stages or 2
+            fit = StreamPlan(**{**self.__dict__, "stages": 0}).ring_stages if self.stages else 0
+            raise ValueError(f"StreamPlan: {want} stages of {self.stage_bytes} bytes (max_m {self.max_m}, head_dim "
+                             f"{self.head_dim}) need {self.smem_bytes_for(want)} bytes of shared memory, over the "
+                             f"{SMEM_PER_CTA_MAX} a CTA may use: "
+                             + (f"use at most {fit} stages" if fit >= 2 else "this shape does not fit the design"))
 
     # ------------------------------------------------------------ geometry
     @property
