@@ -1,0 +1,351 @@
+"""What makes the fused QKV step slower when it writes an fp8 (e4m3) KV cache?
+
+With an e4m3 cache the step is slower than with the bf16 one (flint, H200: +0.14 us at
+M = 1, +0.23 us at M = 8). Each variant is the fp8 GEMV binary with ONE change (some
+numerically wrong: only the time counts), timed as in ``benchmarks.qkv --fp8`` (CUDA-graph
+replay, weights rotating past L2): the step through the real QKVOp (rms_norm + that
+GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interleaved runs.
+
+  bf16, fp8     the references (QKVDef: the very binaries benchmarks.qkv --fp8 runs)
+  fp8_inl       control: kv_quant.py and head_epilogue.py pasted into the module, unchanged
+                (the base of the pasted-code patches; its PTX is fp8's, --prebuild checks)
+  no_ldg        is it the scale load (before griddepcontrol.wait)? The scale is the kernel
+                argument block_size instead: no load, the division kept (not constant-folded)
+  mul           is it div.rn.f32? x * scale instead. Each div.rn is MUFU.RCP, 5 dependent
+                FFMA, FCHK and a BSSY/BSYNC region that may call a slow path: 8 per lane
+  noscale       no scaling at all (ptxas then drops the unused load as well)
+  cvt_bf16      is it the e4m3 cvt? cvt.rn.bf16x2 instead (its low half stored: same stores)
+  no_quant      the whole conversion: the epilogue is told kv_fp8=False but keeps the 1-byte
+                cache addressing, so the bf16 words' low halves go out through the same
+                2-byte stores, with no unpack, division or cvt (and no load)
+  nostore       is it the stores (narrower, st.global.b16)? Every global store of the
+                epilogue (q, k, v) predicated on addr < 0: never true, which ptxas cannot
+                know, so all values are computed and nothing is written
+  bf16_nostore  the same on the bf16 reference (nostore - bf16_nostore: compute alone)
+
+Patches are text replacements of the rendered module (pasted helpers included); each
+variant's kernel name keys its cache entries apart; the real files are never changed.
+
+    python -m benchmarks.qkv_fp8_ablation [--check]       # GPU (--check: find the binaries only)
+    python -m benchmarks.qkv_fp8_ablation --prebuild DIR  # no GPU: sm_90a, 132 SMs, into DIR
+    python -m benchmarks.qkv_fp8_ablation --diff          # each variant against its base (flint)
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import re
+import statistics
+import sys
+import time
+
+from benchmarks import qkv as bq
+from flintgen import cache, codegen, toolchain
+from flintgen.configs.qkv_config import token_tile
+from flintgen.kernels import get_def
+from flintgen.kernels.qkv import QKVDef, QKVOp
+
+RUNS, MS = 3, (1, 8)
+INLINED = ("kv_quant", "head_epilogue")   # flintgen.device modules pasted into an inline variant
+
+
+def _drop(stmt: str) -> str:
+    """``from flintgen.device import ...`` without the pasted modules ('' if none is left)."""
+    node = ast.parse(stmt).body[0]
+    if not isinstance(node, ast.ImportFrom) or node.module != "flintgen.device":
+        return stmt
+    keep = [a.name for a in node.names if a.name not in INLINED]
+    return f"from flintgen.device import {', '.join(keep)}" if keep else ""
+
+
+def _module_parts(name: str) -> tuple[list[str], str]:
+    """(import lines, code from the first definition on) of flintgen.device.<name>;
+    its docstring and ``from __future__`` left out."""
+    with open(cache._module_file(f"flintgen.device.{name}")) as f:
+        text = f.read()
+    imports, first = [], None
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if getattr(node, "module", None) != "__future__":
+                imports.append(_drop(ast.get_source_segment(text, node)))
+        elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            first = node
+            break
+    start = min([first.lineno] + [d.lineno for d in getattr(first, "decorator_list", [])]) - 1
+    return [i for i in imports if i], "".join(text.splitlines(keepends=True)[start:])
+
+
+def inline_helpers(src: str) -> str:
+    """``src`` with kv_quant and head_epilogue pasted in after its imports; the module
+    names they are called by (``head_epilogue.finish_qk``, ``kv_quant.e4m3_run``) are
+    bound to this module, so a patch of the pasted text changes what the kernel runs."""
+    lines = src.splitlines(keepends=True)
+    last = max(n.end_lineno for n in ast.parse(src).body if isinstance(n, (ast.Import, ast.ImportFrom)))
+    out = [_drop(l.rstrip("\n")) + "\n" if l.startswith("from flintgen.device import") else l for l in lines[:last]]
+    out.append("import sys\n")
+    bodies = []
+    for name in INLINED:
+        imports, body = _module_parts(name)
+        out += [i + "\n" for i in imports]
+        bodies.append(f"\n\n# ==== flintgen/device/{name}.py, pasted by benchmarks/qkv_fp8_ablation.py ====\n{body}")
+    tail = f"\n{' = '.join(INLINED)} = sys.modules[__name__]   # the pasted code is called by these names\n"
+    return "".join(out + bodies + [tail] + lines[last:])
+
+
+# ---- the patches: (old, new, occurrences) --------------------------------------------
+NO_LDG = ("""        kv_scale = ldst.ldg_f32_pred(
+            k_scale.iterator.toint() + Int64(is_v) * (v_scale.iterator.toint() - k_scale.iterator.toint()),
+            Int32(rank == 0) * Int32(head >= Q_HEADS))
+""", "        kv_scale = Float32(block_size)   # ablation no_ldg: no load (a runtime value: not folded)\n", 1)
+MUL = ("    q = [ptx.div_rn(v, scale) for v in vals]\n", "    q = [v * scale for v in vals]   # ablation mul\n", 1)
+NOSCALE = ("    q = [ptx.div_rn(v, scale) for v in vals]\n", "    q = list(vals)   # ablation noscale\n", 1)
+CVT_BF16 = [("ptx.e4m3x2(", "ptx.bf16x2(", 2),
+            ("ptx.e4m3x4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3])", "ptx.bf16x2(q[4 * i], q[4 * i + 1])", 1)]
+NO_QUANT = ("LANES, KV_ELEM_BYTES, KV_FP8)", "LANES, KV_ELEM_BYTES, False)", 2)
+NOSTORE = ("""    if cutlass.const_expr(eb == 1):
+        kv_quant.stg_bytes_run(dst, words, e)
+    else:
+        ldst.stg_words_run(dst, words, e)
+""", '''    _stg_never(dst, words, e * eb)   # ablation nostore
+
+
+def _stg_never(addr, words, nbytes: int):
+    """Ablation: _store_run's store, predicated on addr < 0: never true, which ptxas cannot know."""
+    n, st = {1: (1, "st.global.b8 [$0], $1;"), 2: (1, "st.global.b16 [$0], h;"), 4: (1, "st.global.u32 [$0], $1;"),
+             8: (2, "st.global.v2.u32 [$0], {$1, $2};"), 16: (4, "st.global.v4.u32 [$0], {$1, $2, $3, $4};")}[nbytes]
+    ptx._asm([], [(Int64, addr)] + [(cutlass.Uint32, w) for w in words[:n]],
+             "{ .reg .pred p; .reg .b16 h; cvt.u16.u32 h, $1; setp.lt.s64 p, $0, 0; @p " + st + " }",
+             side_effects=True)
+''', 1)
+
+
+class Ablation(QKVDef):
+    """The QKVDef of one timed variant: the real template's rendering, with the epilogue
+    helpers pasted in (``inline``), then ``patches``. Its own kernel name (the
+    references keep 'qkv', so their keys are benchmarks.qkv's) keys its entries apart."""
+
+    def __init__(self, tag: str, kv: str, inline: bool = False, patches=(), doc: str = ""):
+        self.tag, self.kv, self.inline, self.doc = tag, kv, inline, doc
+        self.patches = [patches] if patches and isinstance(patches[0], str) else list(patches)
+        self.name = "qkv" if tag in ("bf16", "fp8") else f"qkv_abl_{tag}"
+
+    def source(self, spec, variant, *, inline: bool | None = None, patched: bool = True) -> str:
+        src = codegen.render(variant.kernel, self.template, dict(self.render_params(spec, variant)))
+        if self.inline if inline is None else inline:
+            src = inline_helpers(src)
+        for old, new, n in self.patches if patched else ():
+            if src.count(old) != n:
+                raise RuntimeError(f"ablation {self.tag}: {old!r} occurs {src.count(old)} times, not {n}")
+            src = src.replace(old, new)
+        return src
+
+    def entry(self, spec, variant, target, root: str | None = None) -> cache.Entry:
+        """The cache entry, keyed as cache.make_entry keys a rendered source."""
+        src = self.source(spec, variant)
+        key = cache.key_of(cache.key_material(variant, src, target))
+        return cache.Entry(variant, self.template, src, target, key, root or cache.default_root())
+
+
+B, F = "bf16", "fp8_e4m3"
+VARIANTS = {a.tag: a for a in (
+    Ablation("bf16", B, doc="reference, bf16 cache"),
+    Ablation("fp8", F, doc="reference, e4m3 cache"),
+    Ablation("fp8_inl", F, True, doc="control: fp8 with kv_quant + head_epilogue pasted in, unchanged"),
+    Ablation("no_ldg", F, False, NO_LDG, "k_scale / v_scale not loaded (scale = block_size)"),
+    Ablation("mul", F, True, MUL, "x * scale instead of div.rn.f32(x, scale)"),
+    Ablation("noscale", F, True, NOSCALE, "no scaling (the unused scale load goes too)"),
+    Ablation("cvt_bf16", F, True, CVT_BF16, "cvt bf16x2 instead of e4m3x2, same stores"),
+    Ablation("no_quant", F, False, NO_QUANT, "no conversion: bf16 low halves, the same 2-byte stores"),
+    Ablation("nostore", F, True, NOSTORE, "epilogue stores (q, k, v) predicated off, values computed"),
+    Ablation("bf16_nostore", B, True, NOSTORE, "bf16 reference, epilogue stores predicated off"),
+)}
+_FNS: dict = {}
+
+
+class Loader:
+    """QKVOp's GEMV loader of one variant; the timing run, --check and --prebuild all
+    find its binaries through ``entry``."""
+
+    def __init__(self, abl: Ablation, spec, target):
+        self.abl, self.spec, self.target = abl, spec, target
+
+    def entry(self, variant, root: str | None = None) -> cache.Entry:
+        return self.abl.entry(self.spec, variant, self.target, root)
+
+    def __call__(self, variant):
+        e = self.entry(variant)
+        if e.key not in _FNS:
+            _FNS[e.key] = cache.get_or_build(e).function
+        return _FNS[e.key]
+
+
+def plan(target, root: str | None = None):
+    """([(spec, tag, op, loader)], every cache entry those ops load: GEMV and rms_norm)."""
+    ops, entries, rms = [], [], get_def("rms_norm")
+    for spec in bq.base_specs():
+        for tag, abl in VARIANTS.items():
+            s8 = spec.replace(kv_cache_dtype=abl.kv)
+            load = Loader(abl, s8, target)
+            op = QKVOp(abl, s8, target, load)
+            ops.append((spec, tag, op, load))
+            entries += [(tag, s8, v, load.entry(v, root)) for v in op.variants()]
+            entries += [("rms_norm", s8, v, cache.make_entry(v, rms.template, dict(rms.render_params(s8, v)),
+                                                             target, root)) for v in op.norm_op().variants()]
+    return ops, list({e.dir: (t, s, v, e) for t, s, v, e in entries}.values())
+
+
+def check(entries) -> bool:
+    bad = [(e, p) for _, _, _, e in entries if (p := cache.check_entry(e))]
+    for e, p in bad:
+        print(f"not in the cache: {e.dir} ({p})")
+    print(f"{len(entries) - len(bad)} of {len(entries)} binaries found in {entries[0][3].root}", flush=True)
+    return not bad
+
+
+def _build(tag, spec, variant, target, root):
+    """Pool worker: build one entry (never uncached)."""
+    if tag == "rms_norm":
+        from flintgen.cli import _build_one
+        return _build_one(spec, "rms_norm", variant, target, root)[-1]
+    e = VARIANTS[tag].entry(spec, variant, target, root)
+    cache.get_or_build(e, fallback=False)
+    return e.dir
+
+
+def _ptx(e) -> list[str]:
+    with open(e.path("kernel.ptx")) as f:
+        return re.sub(r"kernel_cutlass_kernel_flintgen_generated\w*?_0(?=_param|\b)", "K", f.read()).splitlines()
+
+
+def _regs(e):
+    return ((cache.read_meta(e) or {}).get("resources") or {}).get("registers")
+
+
+def prebuild(root: str) -> None:
+    import concurrent.futures as cf
+    import multiprocessing
+
+    root = os.path.abspath(root)
+    target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
+    _, entries = plan(target, root)
+    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2,
+                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_build, t, s, v, target, root) for t, s, v, _ in entries]:
+            f.result()
+    print(f"prebuilt {len(entries)} binaries into {root}")
+    ref = {(s.name, s.kv_cache_dtype): e for t, s, _, e in entries if t in ("bf16", "fp8")}
+    for t, s, _, e in entries:   # PTX lines changed against the reference of the same cache dtype
+        if t != "rms_norm":
+            n = sum(1 for l in difflib.unified_diff(_ptx(ref[s.name, s.kv_cache_dtype]), _ptx(e), n=0)
+                    if l[:1] in "+-" and l[:3] not in ("+++", "---"))
+            print(f"  {s.name:16} {t:13} {_regs(e)} registers, {n} PTX lines differ from its reference")
+    check(entries)
+
+
+def diff_main() -> None:
+    target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
+    spec = bq.base_specs()[0]
+    for tag, abl in VARIANTS.items():
+        s8 = spec.replace(kv_cache_dtype=abl.kv)
+        v = abl.variant(s8)
+        base = abl.source(s8, v, inline=abl.inline and bool(abl.patches), patched=False)
+        d = difflib.unified_diff(base.splitlines(True), abl.source(s8, v).splitlines(True),
+                                 f"{tag} (unpatched)", tag, n=2)
+        print(f"==== {tag}: {abl.doc}\n" + "".join(d))
+
+
+def gemv_args(lay, w):
+    """benchmarks.qkv.Layers.gemv_args plus an fp8 cache's k_scale / v_scale (before qk_eps)."""
+    args = lay.gemv_args(w)
+    if lay.kv_kw:
+        at = len(args) - (lay.qn is not None)
+        args[at:at] = [lay.kv_kw["k_scale"], lay.kv_kw["v_scale"]]
+    return args
+
+
+def main() -> None:
+    target = toolchain.resolve_target()
+    ops, entries = plan(target)
+    if not check(entries):
+        sys.exit("some binaries are missing: build them with --prebuild DIR and set FLINTGEN_CACHE_DIR=DIR")
+    if "--check" in sys.argv:
+        return
+    import torch
+
+    from benchmarks.harness import commit, device_info, time_graph
+
+    dev, res = torch.device("cuda"), {}
+    for spec in bq.base_specs():
+        mine = [(t, op, ld) for s, t, op, ld in ops if s is spec]
+        for _, op, _ in mine:
+            op.warmup(dev)
+        weights = bq.make_weights(spec, bq.copies_for(spec))
+        for m in MS:
+            lays = {}
+            for kv in (B, F):
+                torch.manual_seed(0)   # the same activations for both caches
+                lays[kv] = bq.Layers(spec.replace(kv_cache_dtype=kv), m, weights)
+            cases = []
+            for tag, op, ld in mine:
+                lay, v = lays[op.spec.kv_cache_dtype], VARIANTS[tag].variant(op.spec, max_m=token_tile(m))
+                fn = ld(v)   # the binary the step runs at this M (its token tile's)
+
+                def step(op=op, lay=lay):
+                    w = lay.weights()
+                    return op(lay.x, lay.res, lay.norm_w, w[0], w[1], w[2], lay.qn, lay.kn, lay.cs, lay.pos,
+                              lay.k, lay.v, lay.slots, lay.bias, q_out=lay.q, xn_out=lay.xn,
+                              residual_out=lay.res, **lay.kv_kw)
+
+                def gemv(fn=fn, lay=lay):
+                    fn(*gemv_args(lay, lay.weights()))
+
+                cases.append((tag, step, gemv, _regs(ld.entry(v))))
+            for r in range(RUNS):   # interleaved: every variant once per run
+                for tag, step, gemv, regs in cases:
+                    for what, f in (("step", step), ("GEMV", gemv)):
+                        res.setdefault((spec.name, m, what, tag), {"regs": regs, "us": []})["us"].append(
+                            time_graph(f)["median_us"])
+                print(f"{spec.name} M={m} run {r + 1}: " + ", ".join(
+                    f"{t} {res[spec.name, m, 'step', t]['us'][-1]:.2f}" for t, *_ in cases), flush=True)
+    md = report(res, {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), **device_info()})
+    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "qkv_fp8_ablation.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+def report(res, meta) -> str:
+    """The markdown table: per variant its runs' medians, their spread and its paired
+    difference to each reference (median over runs of variant - reference, same run)."""
+    def delta(k, ref):
+        a, b = res[k]["us"], res[k[:3] + (ref,)]["us"]
+        return statistics.median(x - y for x, y in zip(a, b))
+
+    runs = " | ".join(f"run {i + 1} µs" for i in range(RUNS))
+    lines = ["# qkv_fp8_ablation", "", f"{meta['date']} · {meta['device']} ({meta['sms']} SMs) · torch {meta['torch']} · commit "
+             f"{meta['commit']} · benchmarks/qkv_fp8_ablation.py", "",
+             "CUDA-graph replay (benchmarks.harness.time_graph), median per call; the variants run interleaved, "
+             f"once per run, {RUNS} runs. Spread: max - min over the runs. Δ: median over the runs of (variant - "
+             "reference) in the same run. Weights rotate over copies exceeding L2 (as benchmarks.qkv --fp8).", "",
+             f"| spec | M | what | variant | regs | {runs} | spread | Δ vs bf16 | Δ vs fp8 |",
+             "|" + "---|" * (8 + RUNS)]
+    order = {t: i for i, t in enumerate(VARIANTS)}
+    for k in sorted(res, key=lambda k: (k[0] != "flint", k[1], k[2] != "step", order[k[3]])):
+        v, us = res[k], res[k]["us"]
+        lines.append(f"| {' | '.join(map(str, k))} | {v['regs']} | " + " | ".join(f"{x:.2f}" for x in us)
+                     + f" | {max(us) - min(us):.2f} | {delta(k, 'bf16'):+.2f} | {delta(k, 'fp8'):+.2f} |")
+    lines += ["", "Variants (benchmarks/qkv_fp8_ablation.py):", ""]
+    lines += [f"* `{t}`: {a.doc}" for t, a in VARIANTS.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if "--prebuild" in sys.argv:
+        prebuild(sys.argv[sys.argv.index("--prebuild") + 1])
+    elif "--diff" in sys.argv:
+        diff_main()
+    else:
+        main()
