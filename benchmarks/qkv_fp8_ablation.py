@@ -26,7 +26,7 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
 Patches are text replacements of the rendered module (pasted helpers included); each
 variant's kernel name keys its cache entries apart; the real files are never changed.
 
-    python -m benchmarks.qkv_fp8_ablation [--check]       # GPU (--check: find the binaries only)
+    python -m benchmarks.qkv_fp8_ablation [--runs N] [--check]  # GPU (--check: find the binaries only)
     python -m benchmarks.qkv_fp8_ablation --prebuild DIR  # no GPU: sm_90a, 132 SMs, into DIR
     python -m benchmarks.qkv_fp8_ablation --diff          # each variant against its base (flint)
 """
@@ -276,8 +276,9 @@ def main() -> None:
 
     from benchmarks.harness import commit, device_info, time_graph
 
+    runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else RUNS
     dev, res = torch.device("cuda"), {}
-    for spec in bq.base_specs():
+    for spec in dict.fromkeys(s for s, *_ in ops):   # plan's spec objects (base_specs() makes new ones)
         mine = [(t, op, ld) for s, t, op, ld in ops if s is spec]
         for _, op, _ in mine:
             op.warmup(dev)
@@ -302,7 +303,7 @@ def main() -> None:
                     fn(*gemv_args(lay, lay.weights()))
 
                 cases.append((tag, step, gemv, _regs(ld.entry(v))))
-            for r in range(RUNS):   # interleaved: every variant once per run
+            for r in range(runs):   # interleaved: every variant once per run
                 for tag, step, gemv, regs in cases:
                     for what, f in (("step", step), ("GEMV", gemv)):
                         res.setdefault((spec.name, m, what, tag), {"regs": regs, "us": []})["us"].append(
@@ -324,14 +325,15 @@ def report(res, meta) -> str:
         a, b = res[k]["us"], res[k[:3] + (ref,)]["us"]
         return statistics.median(x - y for x, y in zip(a, b))
 
-    runs = " | ".join(f"run {i + 1} µs" for i in range(RUNS))
+    n = max(len(v["us"]) for v in res.values())
+    runs = " | ".join(f"run {i + 1} µs" for i in range(n))
     lines = ["# qkv_fp8_ablation", "", f"{meta['date']} · {meta['device']} ({meta['sms']} SMs) · torch {meta['torch']} · commit "
              f"{meta['commit']} · benchmarks/qkv_fp8_ablation.py", "",
              "CUDA-graph replay (benchmarks.harness.time_graph), median per call; the variants run interleaved, "
-             f"once per run, {RUNS} runs. Spread: max - min over the runs. Δ: median over the runs of (variant - "
+             f"once per run, {n} runs. Spread: max - min over the runs. Δ: median over the runs of (variant - "
              "reference) in the same run. Weights rotate over copies exceeding L2 (as benchmarks.qkv --fp8).", "",
              f"| spec | M | what | variant | regs | {runs} | spread | Δ vs bf16 | Δ vs fp8 |",
-             "|" + "---|" * (8 + RUNS)]
+             "|" + "---|" * (8 + n)]
     order = {t: i for i, t in enumerate(VARIANTS)}
     for k in sorted(res, key=lambda k: (k[0] != "flint", k[1], k[2] != "step", order[k[3]])):
         v, us = res[k], res[k]["us"]
