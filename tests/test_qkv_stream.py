@@ -189,6 +189,12 @@ def test_stream_numerics(name, m):
     _counters_zero(op)
 
 
+def _numerics(op, name, m):
+    from test_qkv import _numerics as numerics
+
+    numerics(op, name, m, max(1, m - 1 - m // 8))
+
+
 def _numerics_spec(op, name, m):
     """test_qkv._numerics on the max_tokens-64 twin of SPECS[name] (slot_mapping shorter than M)."""
     from test_qkv import SPECS, _numerics
@@ -198,15 +204,22 @@ def _numerics_spec(op, name, m):
     _numerics(op, key, m, max(1, m - 1 - m // 8))
 
 
+RING_DEPTHS = [(2, 9, 64), (2, 64, 64), (3, 1, 64), (11, 8, 8)]   # (stages, M, max_tokens): 11 fill a CTA at 8 tokens
+
+
+def _ring_spec(max_tokens):
+    from test_qkv import SPECS
+
+    key = f"bf16_4096_m{max_tokens}"
+    SPECS.setdefault(key, SPECS["bf16_4096"].replace(max_tokens=max_tokens))
+    return key, SPECS[key]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, m", [(2, 9), (2, 64), (3, 1), (16, 8)])
-def test_stream_ring_depths(stages, m):
-    spec = _spec("bf16_4096")
-    plan = sp.StreamPlan(hidden=spec.hidden_size, head_dim=spec.head_dim, heads=48, ctas=132,
-                         max_m=8 if m <= 8 else 64, stages=stages)
-    if not plan.ring_stages:
-        pytest.skip(f"{stages} stages do not fit shared memory at this tile")
-    _numerics_spec(_stream_op("bf16_4096", StreamConfig(stages=stages)), "bf16_4096", m)
+@pytest.mark.parametrize("stages, m, max_tokens", RING_DEPTHS)
+def test_stream_ring_depths(stages, m, max_tokens):
+    key, spec = _ring_spec(max_tokens)
+    _numerics(_op(spec, StreamConfig(stages=stages)), key, m)
 
 
 FP8 = [("oss_bf16", 8), ("oss_bf16", 64), ("d96_r24", 33), ("glm4", 16), ("phi4_mini", 5)]
@@ -307,21 +320,20 @@ def gpu_variants(target):
 
     todo = []
     names = sorted({n for n, _ in GPU_CASES + FP8} | {"bf16_4096"})
-    cfgs = [StreamConfig()] + [StreamConfig(stages=s) for s, _ in [(2, 0), (3, 0), (16, 0)]]
+    from flintgen.configs.qkv_config import token_tiles
+
+    for stages, _, mt in RING_DEPTHS:
+        spec = _ring_spec(mt)[1]
+        todo += [(KDEF, spec, KDEF.variant(spec, config=StreamConfig(stages=stages), max_m=tile, target=target,
+                                           debug=d)) for tile in token_tiles(mt) for d in (False, True)]
     for name in names:
         for spec in (_spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")):
             if spec.kv_cache_dtype == "fp8_e4m3" and name not in dict(FP8):
                 continue
             rms = get_def("rms_norm")
             todo += [(rms, spec, v) for v in rms.variants(spec, target)]
-            for cfg in cfgs if name == "bf16_4096" else cfgs[:1]:
-                for tile in TOKEN_TILES:
-                    for debug in (False, True):
-                        try:
-                            v = KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=debug)
-                        except ValueError:   # a ring depth that does not fit this tile
-                            continue
-                        todo.append((KDEF, spec, v))
+            todo += [(KDEF, spec, KDEF.variant(spec, config=StreamConfig(), max_m=tile, target=target, debug=d))
+                     for tile in TOKEN_TILES for d in (False, True)]
     return todo
 
 
