@@ -27,7 +27,7 @@ the same step writing the bf16 cache, same weights and inputs.
 ``--stream`` (issue 18, results/qkv_stream.md): the BF16 specs of ``--tokens`` at
 every M, the streaming design (persistent split-K grid, cp.async ring;
 flintgen.kernels.qkv_stream) against the cluster design and the torch path,
-the GEMV alone and the whole step; ``--stages 4,6`` adds those ring depths.
+the GEMV alone and the whole step; ``--configs w2,s6`` adds streaming configs (tiles per warp, ring depth).
 
 ``--sweep`` also times alternative launch configurations of both specs
 (``sweep_configs``), each as the GEMV alone and as the whole step
@@ -214,11 +214,15 @@ def fp8_specs():
 
 
 def stream_configs():
-    """--stream: (label, config) of the designs timed per M."""
+    """--stream: (label, config) of the designs timed per M; ``--configs w2,s6,w2s6`` adds
+    streaming configs (w: 16-row tiles per warp, s: ring stages)."""
+    import re
+
     out = [("cluster", None), ("stream", qkv_stream.StreamConfig())]
-    if "--stages" in sys.argv:
-        out += [(f"stream s{n}", qkv_stream.StreamConfig(stages=int(n)))
-                for n in sys.argv[sys.argv.index("--stages") + 1].split(",")]
+    if "--configs" in sys.argv:
+        for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
+            w, st = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?", c).groups()
+            out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1))))
     return out
 
 

@@ -204,7 +204,10 @@ def _numerics_spec(op, name, m):
     _numerics(op, key, m, max(1, m - 1 - m // 8))
 
 
-RING_DEPTHS = [(2, 9, 64), (2, 64, 64), (3, 1, 64), (11, 8, 8)]   # (stages, M, max_tokens): 11 fill a CTA at 8 tokens
+# (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens) and two 16-row tiles per warp
+CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
+           (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
+           (StreamConfig(warp_tiles=2, stages=4), 64, 64)]
 
 
 def _ring_spec(max_tokens):
@@ -216,10 +219,10 @@ def _ring_spec(max_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, m, max_tokens", RING_DEPTHS)
-def test_stream_ring_depths(stages, m, max_tokens):
+@pytest.mark.parametrize("cfg, m, max_tokens", CONFIGS, ids=[f"s{c.stages}w{c.warp_tiles}-M{m}" for c, m, _ in CONFIGS])
+def test_stream_other_configs(cfg, m, max_tokens):
     key, spec = _ring_spec(max_tokens)
-    _numerics(_op(spec, StreamConfig(stages=stages)), key, m)
+    _numerics(_op(spec, cfg), key, m)
 
 
 FP8 = [("oss_bf16", 8), ("oss_bf16", 64), ("d96_r24", 33), ("glm4", 16), ("phi4_mini", 5)]
@@ -322,10 +325,10 @@ def gpu_variants(target):
     names = sorted({n for n, _ in GPU_CASES + FP8} | {"bf16_4096"})
     from flintgen.configs.qkv_config import token_tiles
 
-    for stages, _, mt in RING_DEPTHS:
+    for cfg, _, mt in CONFIGS:
         spec = _ring_spec(mt)[1]
-        todo += [(KDEF, spec, KDEF.variant(spec, config=StreamConfig(stages=stages), max_m=tile, target=target,
-                                           debug=d)) for tile in token_tiles(mt) for d in (False, True)]
+        todo += [(KDEF, spec, KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=d))
+                 for tile in token_tiles(mt) for d in (False, True)]
     for name in names:
         for spec in (_spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")):
             if spec.kv_cache_dtype == "fp8_e4m3" and name not in dict(FP8):

@@ -17,8 +17,8 @@ block of c)``; a per-head counter counts the units that arrived, and the CTA
 that completes a head sums the head's partials in CTA order (= K order:
 deterministic) and runs the per-head epilogue.
 
-Inside a CTA, ``warps = block_rows / 16`` warps each own 16 rows of the block
-(one m16 MMA tile) and all ``max_m`` tokens; a ring of ``stages`` shared-memory
+Inside a CTA, ``warps = block_rows / (16 warp_tiles)`` warps each own
+``warp_tiles`` 16-row MMA tiles of the block and all ``max_m`` tokens; a ring of ``stages`` shared-memory
 stages, each one unit's weight rows and xn's 64 values of every token, is
 filled by ``cp.async`` (16-byte pieces, ``stages - 1`` units in flight).
 Shared rows are padded to ``ROW_STRIDE`` bytes, so the 8 rows of a 16-byte
@@ -46,6 +46,7 @@ class StreamPlan:
     ctas: int        # CTAs the target runs at once (its SM count): the grid, at most one per unit
     max_m: int       # token tile
     stages: int = 0  # 0: as many as fit shared memory (up to MAX_STAGES)
+    warp_tiles: int = 1   # 16-row MMA tiles per warp (2: each xn fragment read from shared memory feeds two)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -60,6 +61,9 @@ class StreamPlan:
         if not 0 <= self.stages <= MAX_STAGES or self.stages == 1:
             raise ValueError(f"StreamPlan: stages = {self.stages} must be 0 (fill shared memory) or "
                              f"2..{MAX_STAGES}")
+        if self.warp_tiles not in (1, 2) or self.block_rows % (16 * self.warp_tiles):
+            raise ValueError(f"StreamPlan: warp_tiles = {self.warp_tiles} must be 1 or 2 and divide the "
+                             f"{self.block_rows // 16} tiles of a {self.block_rows}-row block")
         if self.ring_stages < 2:
             want = self.stages or 2
             fit = StreamPlan(**{**self.__dict__, "stages": 0}).ring_stages if self.stages else 0
@@ -75,7 +79,7 @@ class StreamPlan:
 
     @property
     def warps(self) -> int:
-        return self.block_rows // 16
+        return self.block_rows // (16 * self.warp_tiles)
 
     @property
     def blocks_per_head(self) -> int:
@@ -131,6 +135,12 @@ class StreamPlan:
     def slot(self, c: int, block: int) -> int:
         """Workspace slot of CTA ``c``'s segment of ``block``."""
         return c * self.max_segments + block - self.lo(c) // self.steps
+
+    @property
+    def max_contributors(self) -> int:
+        """CTAs whose ranges share one block, at most (the merge's unrolled loads)."""
+        return max(self.cta_of_unit(b * self.steps + self.steps - 1) - self.cta_of_unit(b * self.steps) + 1
+                   for b in range(self.blocks))
 
     @property
     def slots(self) -> int:

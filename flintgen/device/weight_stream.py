@@ -12,9 +12,10 @@ Provenance: written for flintgen's streaming QKV GEMV.
       stage + r * ROW_STRIDE              weight row r of the block, values [64 s, 64 s + 64)
       stage + (rows + n) * ROW_STRIDE     token n of xn, the same values
 
-* Fragments (flintgen.device.gemv's K order): warp w owns block rows
-  [16 w, 16 w + 16); thread (g, t) reads rows 16 w + g and 16 w + g + 8, and
-  token g of each 8-token n-tile, at bytes [32 t, 32 t + 32) of the row.
+* Fragments (flintgen.device.gemv's K order): 16-row tile i of the block
+  holds rows [16 i, 16 i + 16); thread (g, t) reads rows 16 i + g and
+  16 i + g + 8, and token g of each 8-token n-tile, at bytes [32 t, 32 t + 32)
+  of the row.
 * Partials: ``ws [slots, rows, max_m]`` fp32; the thread's accumulator
   ``acc[nt]`` (c0, c1 = row g, tokens 8 nt + 2t, +1; c2, c3 = row g + 8) is
   two 8-byte pieces per n-tile.
@@ -100,9 +101,9 @@ def issue_rows(stage, src0, src_pitch: int, first_row: int, n_rows: int, tid, th
 
 
 # ---------------------------------------------------------------- fragments
-def load_a_bf16(stage, warp, g, t):
-    """Rows 16 warp + g and + 8 of the stage as 8 words each (gemv.a_fragments_bf16's input)."""
-    a = stage + Int32((warp * 16 + g) * ROW_STRIDE + t * 32)
+def load_a_bf16(stage, tile, g, t):
+    """Rows 16 tile + g and + 8 of the stage as 8 words each (gemv.a_fragments_bf16's input)."""
+    a = stage + Int32((tile * 16 + g) * ROW_STRIDE + t * 32)
     b = a + Int32(8 * ROW_STRIDE)
     return (list(ptx.lds_u32x4(a)) + list(ptx.lds_u32x4(a + 16)),
             list(ptx.lds_u32x4(b)) + list(ptx.lds_u32x4(b + 16)))
@@ -115,27 +116,48 @@ def load_b(stage, rows: int, nt: int, g, t):
 
 
 # ---------------------------------------------------------------- partials
-def partial_offsets(warp, g, t, nt: int, max_m: int):
-    """Element offsets in a slot of the thread's (c0, c1) and (c2, c3) pairs of n-tile ``nt``."""
-    r = warp * 16 + g
+def partial_offsets(tile, g, t, nt: int, max_m: int):
+    """Element offsets in a slot of the thread's (c0, c1) and (c2, c3) pairs of 16-row tile
+    ``tile`` (of the block) and n-tile ``nt``."""
+    r = tile * 16 + g
     n = nt * 8 + 2 * t
     return r * max_m + n, (r + 8) * max_m + n
 
 
-def store_partial(ws_slot, acc, warp, g, t, max_m: int):
-    """The thread's accumulators of every n-tile into slot ``ws_slot`` (global address)."""
+def store_partial(ws_slot, acc, tile, g, t, max_m: int):
+    """The thread's accumulators of ``tile``, every n-tile, into slot ``ws_slot`` (global address)."""
     for nt in range(len(acc)):
-        o0, o8 = partial_offsets(warp, g, t, nt, max_m)
+        o0, o8 = partial_offsets(tile, g, t, nt, max_m)
         stg_f32x2(ws_slot + Int64(o0) * 4, acc[nt][0], acc[nt][1])
         stg_f32x2(ws_slot + Int64(o8) * 4, acc[nt][2], acc[nt][3])
 
 
-def add_partial(y, ws_slot, warp, g, t, max_m: int):
-    """``y[nt][j] += `` the slot's values at the thread's accumulator positions (L2 loads)."""
+@dsl_user_op
+def ldg_cg_f32x2_pred(addr, pred, *, loc=None, ip=None):
+    """8 bytes from L2 (partials other CTAs of this grid wrote); zeros, and no
+    access, where ``pred`` (Int32) is 0."""
+    return ptx._ldg_or_zero(Float32, 2, "ld.global.cg.v2.f32", addr, pred, loc, ip)
+
+
+@dsl_user_op
+def select_f32(pred, a, b, *, loc=None, ip=None):
+    """``a`` where ``pred`` (Int32) is nonzero, else ``b`` (bits unchanged)."""
+    return _asm([Float32], [(Int32, pred), (Float32, a), (Float32, b)],
+                "{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.f32 $0, $2, $3, p; }", loc=loc, ip=ip)
+
+
+def sum_partials(slots, live, tile, g, t, n_tiles, max_m: int):
+    """The thread's accumulator positions of n-tiles ``n_tiles`` (a range) summed over workspace slots
+    ``slots`` (global addresses) in order, ``live[i]`` (Int32) gating each:
+    every load is issued before the first add (one L2 latency, not one per
+    slot); a dead slot adds zeros."""
     out = []
-    for nt in range(len(y)):
-        o0, o8 = partial_offsets(warp, g, t, nt, max_m)
-        p0 = ptx.ldg_cg_f32x2(ws_slot + Int64(o0) * 4)
-        p8 = ptx.ldg_cg_f32x2(ws_slot + Int64(o8) * 4)
-        out.append([y[nt][0] + p0[0], y[nt][1] + p0[1], y[nt][2] + p8[0], y[nt][3] + p8[1]])
+    for nt in n_tiles:
+        o0, o8 = partial_offsets(tile, g, t, nt, max_m)
+        parts = [(ldg_cg_f32x2_pred(a + Int64(o0) * 4, p), ldg_cg_f32x2_pred(a + Int64(o8) * 4, p))
+                 for a, p in zip(slots, live)]
+        y = [parts[0][0][0], parts[0][0][1], parts[0][1][0], parts[0][1][1]]
+        for p0, p8 in parts[1:]:
+            y = [y[0] + p0[0], y[1] + p0[1], y[2] + p8[0], y[3] + p8[1]]
+        out.append(y)
     return out

@@ -30,12 +30,15 @@ REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
 @dataclass(frozen=True)
 class StreamConfig:
     """Launch configuration of the streaming design: ``stages`` of the ring
-    (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages)."""
+    (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages) and
+    ``warp_tiles`` 16-row MMA tiles per warp (StreamPlan)."""
 
     stages: int = 0
+    warp_tiles: int = 1
 
     def __post_init__(self) -> None:
-        StreamPlan(hidden=64, head_dim=64, heads=1, ctas=1, max_m=8, stages=self.stages)  # range check
+        StreamPlan(hidden=64, head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
+                   warp_tiles=self.warp_tiles)  # range checks
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
 
 def plan_of(p: Mapping[str, Any]) -> StreamPlan:
     return StreamPlan(hidden=p["hidden"], head_dim=p["head_dim"], heads=p["q_heads"] + 2 * p["kv_heads"],
-                      ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"])
+                      ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -80,6 +83,8 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              rope=spec.rope_style != "none", rope_dim=spec.rope_dim, interleaved=spec.rope_style == "interleaved",
              qk_norm=spec.qk_norm, norm_offset=spec.norm_weight_offset if spec.qk_norm else 0, debug=debug,
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
+    if cfg.warp_tiles != 1:
+        p["warp_tiles"] = cfg.warp_tiles
     plan_of(p)   # raises where the shape does not fit
     return Variant.of("qkv", **p)
 
@@ -93,9 +98,9 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "args": args, "arg_names": ", ".join(a.name for a in args),
         "arg_sig": ", ".join(f"{a.name}: {a.ann}" for a in args), "hidden": p["hidden"], "head_dim": p["head_dim"], "q_heads": p["q_heads"],
         "kv_heads": p["kv_heads"], "n_rows": (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"],
-        "max_m": p["max_m"], "block_rows": plan.block_rows, "warps": plan.warps,
+        "max_m": p["max_m"], "block_rows": plan.block_rows, "warps": plan.warps, "warp_tiles": plan.warp_tiles,
         "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
-        "max_segments": plan.max_segments, "stages": plan.ring_stages, "stage_bytes": plan.stage_bytes,
+        "max_segments": plan.max_segments, "max_contributors": plan.max_contributors, "stages": plan.ring_stages, "stage_bytes": plan.stage_bytes,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
