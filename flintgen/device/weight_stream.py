@@ -146,18 +146,23 @@ def select_f32(pred, a, b, *, loc=None, ip=None):
                 "{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.f32 $0, $2, $3, p; }", loc=loc, ip=ip)
 
 
-def sum_partials(slots, live, tile, g, t, n_tiles, max_m: int):
+def sum_partials(slots, live, tile, g, t, n_tiles, max_m: int, init=None):
     """The thread's accumulator positions of n-tiles ``n_tiles`` (a range) summed over workspace slots
     ``slots`` (global addresses) in order, ``live[i]`` (Int32) gating each:
     every load is issued before the first add (one L2 latency, not one per
-    slot); a dead slot adds zeros."""
+    slot); a dead slot adds zeros. ``init`` (per n-tile 4 Float32): the sum
+    so far, which the slots continue."""
     out = []
-    for nt in n_tiles:
+    for k, nt in enumerate(n_tiles):
         o0, o8 = partial_offsets(tile, g, t, nt, max_m)
         parts = [(ldg_cg_f32x2_pred(a + Int64(o0) * 4, p), ldg_cg_f32x2_pred(a + Int64(o8) * 4, p))
                  for a, p in zip(slots, live)]
-        y = [parts[0][0][0], parts[0][0][1], parts[0][1][0], parts[0][1][1]]
-        for p0, p8 in parts[1:]:
+        if init is None:
+            y = [parts[0][0][0], parts[0][0][1], parts[0][1][0], parts[0][1][1]]
+            parts = parts[1:]
+        else:
+            y = list(init[k])
+        for p0, p8 in parts:
             y = [y[0] + p0[0], y[1] + p0[1], y[2] + p8[0], y[3] + p8[1]]
         out.append(y)
     return out
