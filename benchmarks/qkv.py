@@ -111,6 +111,12 @@ class Layers:
             args.append(1e-6)
         return args
 
+    def args_for(self, v, w, op):
+        """The GEMV binary ``v``'s arguments for weights ``w`` (``op``: whose workspace a streaming binary uses)."""
+        if dict(v.params).get("design") == qkv_stream.DESIGN:
+            return self.stream_args(w, op, v)
+        return self.gemv_args(w)
+
     def stream_args(self, w, op, v):
         """The streaming binary ``v``'s arguments (its table; ``op``'s workspace)."""
         p = dict(v.params)
@@ -176,7 +182,7 @@ def copies_for(spec) -> int:
 
 def gemv_fn(spec, t, cfg=None, m=1):
     """The GEMV binary M tokens run (its token tile's) and its variant."""
-    v = KDEF.variant(spec, config=cfg, max_m=token_tile(m))
+    v = KDEF.variant(spec, config=cfg, max_m=token_tile(m), target=t)
     return load_variant(KDEF, spec, v, t)[0], v
 
 
@@ -335,12 +341,8 @@ def stream_main():
                               lay.k, lay.v, lay.slots, lay.bias, q_out=lay.q, xn_out=lay.xn,
                               residual_out=lay.res, **lay.kv_kw)
 
-                if dict(v.params).get("design") == qkv_stream.DESIGN:
-                    def gemv(fn=fn, op=op, v=v):
-                        fn(*lay.stream_args(lay.weights(), op, v))
-                else:
-                    def gemv(fn=fn):
-                        fn(*lay.gemv_args(lay.weights()))
+                def gemv(fn=fn, op=op, v=v):
+                    fn(*lay.args_for(v, lay.weights(), op))
 
                 whole, alone = time_graph(step), time_graph(gemv)
                 case = {"spec": spec.name, "M": m, "design": label}
@@ -388,7 +390,7 @@ def main():
                           residual_out=lay.res, **lay.kv_kw)
 
             def gemv():
-                fn(*lay.gemv_args(lay.weights()))
+                fn(*lay.args_for(v, lay.weights(), op))
 
             whole = time_graph(step)
             alone = time_graph(gemv)
@@ -417,8 +419,9 @@ def main():
             if sweep:
                 for cfg in sweep_configs(spec):
                     f2, v2 = gemv_fn(spec, t, cfg, m)
-                    r = time_graph(lambda: f2(*lay.gemv_args(lay.weights())))
                     op2 = QKVOp(KDEF, spec, t, lambda v: load_variant(KDEF, spec, v, t)[0], config=cfg)
+                    op2.warmup(torch.device("cuda"))
+                    r = time_graph(lambda: f2(*lay.args_for(v2, lay.weights(), op2)))
                     r_step = time_graph(lambda: step(op2))
                     tag = f"GEMV r{cfg.rows} w{cfg.warps} p{cfg.prefetch} early{cfg.early_dequant}"
                     rows.append(Row(dict(case, what=tag),

@@ -36,6 +36,41 @@ ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (con
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
+STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_chosen)
+STREAM_STAGES = 6       # ring depth the heuristic picks (StreamConfig)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch configuration of the streaming design: ``stages`` of the ring
+    (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages) and
+    ``warp_tiles`` 16-row MMA tiles per warp (StreamPlan)."""
+
+    stages: int = 0
+    warp_tiles: int = 1
+
+    def __post_init__(self) -> None:
+        StreamPlan(hidden=64, head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
+                   warp_tiles=self.warp_tiles)  # range checks
+
+
+def stream_chosen(weight_format: str, max_m: int) -> bool:
+    """Whether the token tile ``max_m`` of a spec runs the streaming design
+    (else the cluster design, flintgen.configs.qkv_config.QKVConfig).
+
+    Measured on an H200 (benchmarks/results/qkv_stream.md, GEMV alone and
+    the whole step, CUDA-graph replay, weights rotating beyond L2): bf16
+    tiles of 16 tokens and more stream, with STREAM_STAGES = 6 (the default
+    11 stages that fill shared memory: 0.2-1.3 us slower, no co-residency
+    with the RMSNorm kernel under PDL; two 16-row tiles per warp: slower at
+    every M). Hidden 4096 32/8: step 18.96 / 22.13 / 32.12 us at M = 16 /
+    32 / 64 against the cluster design's 21.88 / 28.00 / 50.24; flint-bf16
+    14.09 / 21.36 against 14.79 / 26.67 at M = 32 / 64 (M = 16: 10.85 vs
+    10.64, a tie). The 8-token tile stays on the cluster design (M = 1..8:
+    8.1-8.6 vs 9.2-9.7 us flint-bf16, 16.0-16.9 vs 16.9-17.3 hidden 4096).
+    NVFP4 weights keep the cluster design (its dequantization in registers;
+    the streaming template takes bf16 only)."""
+    return weight_format == "bf16" and max_m >= STREAM_MIN_TOKENS
 
 
 @dataclass(frozen=True)

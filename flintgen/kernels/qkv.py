@@ -80,7 +80,12 @@ class QKVDef(KernelDef):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
     )
 
-    def config(self, spec: Spec, max_m: int = MMA_N) -> QKVConfig:
+    def config(self, spec: Spec, max_m: int = MMA_N) -> QKVConfig | qkv_stream.StreamConfig:
+        """The design and launch configuration of token tile ``max_m``: the
+        streaming design where ``qkv_stream_plan.stream_chosen`` says (bf16,
+        16 tokens and more), else the cluster design's QKVConfig."""
+        if qkv_stream.stream_chosen(spec.weight_format, max_m):
+            return qkv_stream.StreamConfig(stages=qkv_stream.STREAM_STAGES)
         return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m)
 
     def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | qkv_stream.StreamConfig | None = None,
@@ -143,7 +148,7 @@ class QKVDef(KernelDef):
         """One binary per token tile up to spec.max_tokens' (just the 8-token one
         for max_tokens <= 8). The debug variants (pre-norm rows) are built on demand only."""
         self.check_limits(spec)
-        return [self.variant(spec, max_m=t) for t in token_tiles(spec.max_tokens)]
+        return [self.variant(spec, max_m=t, target=target) for t in token_tiles(spec.max_tokens)]
 
     def variant_ptx(self, variant: Variant) -> tuple[str, ...]:
         """What ``variant``'s design needs in its PTX."""

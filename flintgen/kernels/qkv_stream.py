@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs.qkv_config import EpilogueLanes
-from flintgen.configs.qkv_stream_plan import StreamPlan
+from flintgen.configs.qkv_stream_plan import STREAM_STAGES, StreamConfig, StreamPlan, stream_chosen  # noqa: F401
 from flintgen.kernels.base import Target, Variant
 from flintgen.spec import Spec
 
@@ -25,20 +25,6 @@ DESIGN = "stream"
 REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
                 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
-
-
-@dataclass(frozen=True)
-class StreamConfig:
-    """Launch configuration of the streaming design: ``stages`` of the ring
-    (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages) and
-    ``warp_tiles`` 16-row MMA tiles per warp (StreamPlan)."""
-
-    stages: int = 0
-    warp_tiles: int = 1
-
-    def __post_init__(self) -> None:
-        StreamPlan(hidden=64, head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
-                   warp_tiles=self.warp_tiles)  # range checks
 
 
 @dataclass(frozen=True)
