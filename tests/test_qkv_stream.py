@@ -341,6 +341,16 @@ def gpu_variants(target):
             todo += [(rms, spec, v) for v in rms.variants(spec, target)]
             todo += [(KDEF, spec, KDEF.variant(spec, config=StreamConfig(), max_m=tile, target=target, debug=d))
                      for tile in TOKEN_TILES for d in (False, True)]
+    # the production op's binaries (every tile, production and debug) of test_qkv's token-tile cases with
+    # bf16 weights (their tiles of 16+ tokens stream), test_qkv_tokens' graph replay and test_qkv_fp8's bf16 tile
+    from test_qkv import SPECS
+
+    for name in ("bf16_4096", "flint_bf16", "oss_bf16", "h16384_bf16", "oss_bf16_fp8"):
+        spec = SPECS[name].replace(max_tokens=64)
+        rms = get_def("rms_norm")
+        todo += [(rms, spec, v) for v in rms.variants(spec, target)]
+        todo += [(KDEF, spec, KDEF.variant(spec, max_m=tile, target=target, debug=d))
+                 for tile in TOKEN_TILES for d in (False, True)]
     return todo
 
 
@@ -360,3 +370,26 @@ if __name__ == "__main__":
         for f in [pool.submit(_build_one, s, k.name, v, T132, root) for k, s, v in todo.values()]:
             f.result()
     print(f"prebuilt {len(todo)} variants into {root}")
+
+
+def test_cache_key_covers_device_code_only():
+    """A binary's key hashes the flintgen modules its source imports,
+    transitively (flintgen.cache.helpers_hash): the device helpers and
+    cute-free configs, never the host package (spec, kernels, cache), whose
+    edits would rebuild every kernel."""
+    from flintgen import cache, codegen
+    from flintgen.kernels import KERNELS
+
+    cases = [(k, FLINT, v) for k in KERNELS.values() for v in k.variants(FLINT, T132)[:1]]
+    cases += [(KDEF, s, KDEF.variant(s, max_m=t, target=T132))
+              for s, t in ((F64, 8), (F64, 64), (F64.replace(kv_cache_dtype="fp8_e4m3"), 32))]
+    for kdef, spec, v in cases:
+        src = codegen.render(v.kernel, kdef.template_of(v), dict(kdef.render_params(spec, v)))
+        seen, todo = set(), sorted(cache._imports(src))
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                pkg = name if cache._module_file(name).endswith("__init__.py") else name.rsplit(".", 1)[0]
+                todo += sorted(cache._imports(cache._read_module(name).decode(), pkg) - seen)
+        assert all(n.startswith(("flintgen.device", "flintgen.configs", "flintgen.layout")) for n in seen), seen
