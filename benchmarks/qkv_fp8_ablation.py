@@ -10,9 +10,12 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
   fp8_inl       control: kv_quant.py and head_epilogue.py pasted into the module, unchanged
                 (the base of the pasted-code patches; its PTX is fp8's, --prebuild checks)
   no_ldg        is it the scale load (before griddepcontrol.wait)? The scale is the kernel
-                argument block_size instead: no load, the division kept (not constant-folded)
-  mul           is it div.rn.f32? x * scale instead. Each div.rn is MUFU.RCP, 5 dependent
-                FFMA, FCHK and a BSSY/BSYNC region that may call a slow path: 8 per lane
+                argument block_size instead: no load, the quotient kept (not constant-folded)
+  div_rn        the quotient as it was: div.rn.f32 per element (MUFU.RCP, 5 dependent FFMA,
+                FCHK and a BSSY/BSYNC region that may call a slow path: 8 per lane) in both
+                of the epilogue's copies, instead of kv_quant's reciprocal-based one
+                (1 FMUL, 2 FFMA, 2 FSETP per element; the reciprocal before the wait)
+  mul           is it the quotient? x * scale instead
   noscale       no scaling at all (ptxas then drops the unused load as well)
   cvt_bf16      is it the e4m3 cvt? cvt.rn.bf16x2 instead (its low half stored: same stores)
   no_quant      the whole conversion: the epilogue is told kv_fp8=False but keeps the 1-byte
@@ -95,12 +98,14 @@ def inline_helpers(src: str) -> str:
 
 
 # ---- the patches: (old, new, occurrences) --------------------------------------------
-NO_LDG = ("""        kv_scale = ldst.ldg_f32_pred(
+NO_LDG = ("""        kv_scale = kv_quant.Scale.load(
             k_scale.iterator.toint() + Int64(is_v) * (v_scale.iterator.toint() - k_scale.iterator.toint()),
             Int32(rank == 0) * Int32(head >= Q_HEADS))
-""", "        kv_scale = Float32(block_size)   # ablation no_ldg: no load (a runtime value: not folded)\n", 1)
-MUL = ("    q = [ptx.div_rn(v, scale) for v in vals]\n", "    q = [v * scale for v in vals]   # ablation mul\n", 1)
-NOSCALE = ("    q = [ptx.div_rn(v, scale) for v in vals]\n", "    q = list(vals)   # ablation noscale\n", 1)
+""", "        kv_scale = kv_quant.Scale.of(Float32(block_size))   # ablation no_ldg: no load (a runtime value)\n", 1)
+QUOTIENT = "    q = [quotient(v, scale, fast) for v in vals]\n"     # kv_quant.e4m3_run's
+MUL = (QUOTIENT, "    q = [v * scale.scale for v in vals]   # ablation mul\n", 1)
+NOSCALE = (QUOTIENT, "    q = list(vals)   # ablation noscale\n", 1)
+DIV_RN = (QUOTIENT, "    q = [ptx.div_rn(v, scale.scale) for v in vals]   # ablation div_rn\n", 1)
 CVT_BF16 = [("ptx.e4m3x2(", "ptx.bf16x2(", 2),
             ("ptx.e4m3x4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3])", "ptx.bf16x2(q[4 * i], q[4 * i + 1])", 1)]
 NO_QUANT = ("LANES, KV_ELEM_BYTES, KV_FP8)", "LANES, KV_ELEM_BYTES, False)", 2)
@@ -154,7 +159,8 @@ VARIANTS = {a.tag: a for a in (
     Ablation("fp8", F, doc="reference, e4m3 cache"),
     Ablation("fp8_inl", F, True, doc="control: fp8 with kv_quant + head_epilogue pasted in, unchanged"),
     Ablation("no_ldg", F, False, NO_LDG, "k_scale / v_scale not loaded (scale = block_size)"),
-    Ablation("mul", F, True, MUL, "x * scale instead of div.rn.f32(x, scale)"),
+    Ablation("div_rn", F, True, DIV_RN, "div.rn.f32(x, scale) per element in both copies (as before kv_quant.Scale)"),
+    Ablation("mul", F, True, MUL, "x * scale instead of the quotient (kv_quant.quotient)"),
     Ablation("noscale", F, True, NOSCALE, "no scaling (the unused scale load goes too)"),
     Ablation("cvt_bf16", F, True, CVT_BF16, "cvt bf16x2 instead of e4m3x2, same stores"),
     Ablation("no_quant", F, False, NO_QUANT, "no conversion: bf16 low halves, the same 2-byte stores"),

@@ -370,9 +370,11 @@ def check_design_ptx(ptx: str, spec) -> None:
     """The QKV GEMV's design in its PTX: NVFP4 dequantization exactly with
     NVFP4 weights; weights requested before the grid-dependency wait (they
     stream while RMSNorm runs); nothing written to global memory and no xn
-    copy before it. fp8 caches: the e4m3 conversion (IEEE division by the
-    scale, saturating cvt) exactly then, the k_scale / v_scale load (the
-    only plain fp32 global load) before the wait."""
+    copy before it. fp8 caches: the e4m3 conversion (saturating cvt of the
+    quotient: flintgen.device.kv_quant's reciprocal-based one, and div.rn
+    in the copy for scales outside its range) exactly then, the k_scale /
+    v_scale load (the only plain fp32 global load) and each reciprocal
+    before the wait, none after it."""
     fp4 = ("cvt.rn.f16x2.e4m3x2", "mul.rn.bf16x2")
     assert all(p in ptx for p in fp4) == (spec.weight_format == "nvfp4")
     wait = ptx.index("griddepcontrol.wait")
@@ -380,10 +382,11 @@ def check_design_ptx(ptx: str, spec) -> None:
     assert "st.global" not in ptx[:wait]
     assert ptx.index("cp.async.bulk.shared::cluster.global") > wait
     fp8 = spec.kv_cache_dtype == "fp8_e4m3"
-    assert all(p in ptx for p in ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32")) == fp8
+    quotient = "setp.eq.or.f32 keep, q0, 0f00000000, keep;"            # kv_quant.FAST_QUOTIENT_PTX's
+    assert all(p in ptx for p in ("cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "rcp.rn.f32", quotient)) == fp8
     if fp8:
-        assert "rcp." not in ptx                                      # divided, never multiplied by 1 / scale
         assert ptx.index("ld.global.f32") < wait                      # the scale: a parameter
+        assert ptx.rindex("rcp.") < wait                              # 1 / scale: once, before the wait
 
 
 # ============================================================== GPU helpers

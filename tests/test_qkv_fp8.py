@@ -7,9 +7,11 @@ v_scale API and every refusal (any machine), the conversion torch defines
 where k_bf16 is what the bf16 binary of the same spec writes (K after q/k
 norm and RoPE, V = the GEMV rows; 'the bf16 twin'), with q bit-equal to the
 twin's. NaN compares as NaN (torch keeps the sign bit, the cvt need not).
-The fp8 variants' compile checks (spill-free, the cvt and div.rn in the PTX,
-the scales loaded before griddepcontrol.wait) are in tests/test_qkv.py's
-compile list (FP8_CASES).
+The fp8 variants' compile checks (spill-free, the cvt, the reciprocal-based
+quotient and the div.rn fallback in the PTX, the scales loaded and their
+reciprocals computed before griddepcontrol.wait) are in tests/test_qkv.py's
+compile list (FP8_CASES); the quotient's proof on the CPU is
+tests/test_kv_quant_division.py.
 """
 
 from __future__ import annotations
@@ -363,6 +365,35 @@ def test_fp8_hand_picked_values(f8):
     assert_e4m3_equal(v8, e4m3_ref(rows_v, torch.tensor([7.0])), "V vs the table")
     assert (v8 != _recip_ref(rows_v, torch.tensor([7.0]))).any()   # a reciprocal multiply would fail here
     assert k8.view(-1)[:6].tolist() == [0x38, 0xB8, 0x44, 0x7E, 0x7E, 0x7E]
+
+
+# (k_scale, v_scale): one inside kv_quant's fast range [2^-64, 2^64], near an end, one outside
+EDGE_SCALES = [(1.37 * 2.0**-70, 1.9 * 2.0**63), (1.5 * 2.0**-64, 1.3 * 2.0**70)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ks, vs", EDGE_SCALES, ids=["k-outside", "v-outside"])
+def test_fp8_scales_at_and_past_the_fast_quotient_range(ks, vs):
+    """The hand-picked table scaled to scales near and past the ends of
+    kv_quant's reciprocal-based range: past them the epilogue's div.rn copy
+    runs (tests/test_kv_quant_division.py proves both on the CPU)."""
+    qh, kv, d = HAND.q_heads_per_rank, HAND.kv_heads_per_rank, HAND.head_dim
+    gen = torch.Generator().manual_seed(13)
+    tk, tv = _hand_table(ks, [], gen), _hand_table(vs, [], gen)
+
+    def mutate(c):
+        c.weight.zero_()
+        c.bias[qh * d:(qh + kv) * d] = tk.cuda()
+        c.bias[(qh + kv) * d:] = tv.cuda()
+
+    p = Pair("hand", 4, seed=14, mutate=mutate, scales=(ks, vs), spec_b=HAND, spec8=HAND8).run()
+    p.check("scales at the ends", q=False)
+    bs, s = p.k8.shape[1], int(p.c.slots[0])
+    for got, table, scale in ((p.k8, tk, p.k_scale), (p.v8, tv, p.v_scale)):
+        rows = (table.float() + 0.0).bfloat16().view(kv, d)
+        b = got.view(torch.uint8)[s // bs, s % bs].cpu()
+        assert_e4m3_equal(b, e4m3_ref(rows, scale), f"scale {float(scale)} vs the table")
+        assert (((b & 0x7F) != 0) & ((b & 0x7F) < 0x7E)).sum() > 100   # mostly neither 0 nor saturated
 
 
 @pytest.mark.gpu

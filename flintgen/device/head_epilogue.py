@@ -24,9 +24,12 @@ negative slot writes nothing. Cache views are ``[blocks, block_size, kv_heads,
 D]`` with runtime strides (element units, last stride 1) of ``kv_eb``-byte
 elements (the rendered flintgen.layout KVDtype): bf16 (2 bytes), k and v rows
 stored as the bf16 words they are computed in; fp8 e4m3 (1 byte), each of
-those bf16 values divided by the layer's ``kv_scale`` (k_scale / v_scale)
-and converted (flintgen.device.kv_quant: bit-exact with torch), one E-byte
-store per run of E. q is bf16 either way.
+those bf16 values divided by the layer's ``kv_scale`` (k_scale / v_scale, a
+``kv_quant.Scale``) and converted (flintgen.device.kv_quant: bit-exact with
+torch), one E-byte store per run of E. The conversion and its stores come in
+two copies, one uniform branch on ``kv_scale.fast()``: the reciprocal-based
+quotient, or ``div.rn.f32`` for scales outside its safe range. q is bf16
+either way.
 """
 
 from __future__ import annotations
@@ -130,17 +133,17 @@ def _store_run(dst, words, e: cutlass.Constexpr[int], eb: cutlass.Constexpr[int]
         ldst.stg_words_run(dst, words, e)
 
 
-def _e4m3_head(o1, o2, op, scale, lanes: EpilogueLanes):
+def _e4m3_head(o1, o2, op, scale, fast: bool, lanes: EpilogueLanes):
     """The lane's bf16 words of a k row (``finish_qk``) as e4m3 words of
-    value / ``scale`` (``kv_quant.e4m3_run``), same runs."""
+    value / ``scale`` (a ``kv_quant.Scale``; ``kv_quant.e4m3_run``), same runs."""
     p, s = lanes.pair_e, lanes.pass_e
     if lanes.interleaved:
-        k1 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o1, 2 * p), scale)
+        k1 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o1, 2 * p), scale, fast)
         k2 = None
     else:
-        k1 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o1, p), scale)
-        k2 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o2, p), scale)
-    kp = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(op, s), scale) if s else None
+        k1 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o1, p), scale, fast)
+        k2 = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(o2, p), scale, fast)
+    kp = kv_quant.e4m3_run(kv_quant.bf16_words_to_f32(op, s), scale, fast) if s else None
     return k1, k2, kp
 
 
@@ -175,6 +178,19 @@ def _store_head(dst, o1, o2, op, lane, d, dp, lanes: cutlass.Constexpr, eb: cutl
                 _store_run(dst_p, op, lanes.pass_e, eb)
 
 
+def _store_e4m3_head(dst, o1, o2, op, scale, fast: bool, lane, d, dp, lanes: EpilogueLanes):
+    """``_store_head`` of a k row's e4m3 bytes (``_e4m3_head``)."""
+    k1, k2, kp = _e4m3_head(o1, o2, op, scale, fast, lanes)
+    _store_head(dst, k1, k2, kp, lane, d, dp, lanes, 1)
+
+
+def _store_e4m3_v(dst, x1, x2, scale, fast: bool, e: int, half: int):
+    """A v lane's two runs of ``e`` values (elements d and d + D/2, ``dst``
+    = element d's address) as e4m3 bytes."""
+    _store_run(dst, kv_quant.e4m3_run(x1, scale, fast), e, 1)
+    _store_run(dst + half, kv_quant.e4m3_run(x2, scale, fast), e, 1)
+
+
 @cute.jit
 def finish_qk(
     head_rows,
@@ -204,8 +220,8 @@ def finish_qk(
     """q or k head: optional per-head RMSNorm over all D dims (``norm_w`` =
     ``load_norm_weights``), optional RoPE of the rotary pairs (cos / sin in
     ``tok``), one bf16 rounding; q to ``q``, k to its cache slot of ``kv_eb``-byte
-    elements (``kv_fp8``: those bf16 values / ``kv_scale`` as e4m3; else the
-    bf16 words, ``kv_scale`` None)."""
+    elements (``kv_fp8``: those bf16 values / ``kv_scale``, a
+    ``kv_quant.Scale``, as e4m3; else the bf16 words, ``kv_scale`` None)."""
     head_dim = lanes.head_dim
     e = lanes.pair_e
     half = lanes.rope_dim // 2
@@ -268,8 +284,10 @@ def finish_qk(
                                  stride_token, stride_head, kv_eb)
                 if dst != Int64(0):
                     if cutlass.const_expr(kv_fp8):
-                        k1, k2, kp = _e4m3_head(o1, o2, op, kv_scale, lanes)
-                        _store_head(dst, k1, k2, kp, lane, d, dp, lanes, kv_eb)
+                        if kv_scale.fast():   # uniform: the same scale in every thread
+                            _store_e4m3_head(dst, o1, o2, op, kv_scale, True, lane, d, dp, lanes)
+                        else:
+                            _store_e4m3_head(dst, o1, o2, op, kv_scale, False, lane, d, dp, lanes)
                     else:
                         _store_head(dst, o1, o2, op, lane, d, dp, lanes, kv_eb)
 
@@ -295,8 +313,8 @@ def finish_v(
     kv_fp8: cutlass.Constexpr[bool],
 ):
     """v head: the rows' bits go to the cache slot unchanged (``kv_fp8``:
-    their values / ``kv_scale`` as e4m3); lane l < v_lanes owns [E l, E l + E)
-    and [D/2 + E l, ..) (E = v_e)."""
+    their values / ``kv_scale``, a ``kv_quant.Scale``, as e4m3); lane l <
+    v_lanes owns [E l, E l + E) and [D/2 + E l, ..) (E = v_e)."""
     head_dim = lanes.head_dim
     e = lanes.v_e
     half = head_dim // 2
@@ -306,8 +324,8 @@ def finish_v(
         if n < m:
             row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
             if cutlass.const_expr(kv_fp8):
-                w1 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + d * 2, e), kv_scale)
-                w2 = kv_quant.e4m3_run(ldst.lds_bf16_run(row + (d + half) * 2, e), kv_scale)
+                w1 = ldst.lds_bf16_run(row + d * 2, e)             # Float32 values, converted below
+                w2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
             else:
                 w1 = ldst.lds_words_run(row + d * 2, e)
                 w2 = ldst.lds_words_run(row + (d + half) * 2, e)
@@ -317,5 +335,11 @@ def finish_v(
                 if lane >= lanes.v_lanes:
                     dst = Int64(0)
             if dst != Int64(0):
-                _store_run(dst, w1, e, kv_eb)
-                _store_run(dst + half * kv_eb, w2, e, kv_eb)
+                if cutlass.const_expr(kv_fp8):
+                    if kv_scale.fast():   # uniform: the same scale in every thread
+                        _store_e4m3_v(dst, w1, w2, kv_scale, True, e, half)
+                    else:
+                        _store_e4m3_v(dst, w1, w2, kv_scale, False, e, half)
+                else:
+                    _store_run(dst, w1, e, kv_eb)
+                    _store_run(dst + half * kv_eb, w2, e, kv_eb)
