@@ -1,0 +1,107 @@
+"""Where the streaming QKV GEMV's time goes (issue 18): the GEMV kernel alone,
+CUDA-graph replay, with one part of templates/qkv_stream.py.j2 removed per
+variant (a text patch of the rendered module; results are wrong, only the
+time matters):
+
+* ``ref``        the streaming binary as shipped (6 stages)
+* ``no_mma``     no fragment loads and MMAs (the ring is still filled and waited on)
+* ``no_sync``    no per-unit barrier (stages are refilled while others may read them)
+* ``no_xn``      xn's slices not copied (weights only through the ring)
+* ``no_finish``  no head completes: no merge, no epilogue (partials and counters still written)
+
+    python -m benchmarks.qkv_stream_ablation [--prebuild DIR]
+
+Specs: flint-bf16 (hidden 2048) and hidden 4096 32/8, BF16, at M = 1 (8-token tile,
+streaming forced) and M = 64. Table into $OUT/qkv_stream_ablation.md (or stdout).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from flintgen import cache, codegen, toolchain
+from flintgen.kernels.qkv import QKVDef
+from flintgen.kernels.qkv_stream import StreamConfig
+
+LOOP_MMA = "                    self.mma_unit(acc, ring0 + (j % STAGES) * STAGE_BYTES, warp, g, t)\n"
+LOOP_SYNC = "                    wst.cp_async_wait(STAGES - 2)\n                    cute.arch.sync_threads()\n"
+PATCHES = {
+    "ref": [],
+    "no_mma": [(LOOP_MMA, "")],
+    "no_sync": [(LOOP_SYNC, "                    wst.cp_async_wait(STAGES - 2)\n")],
+    "no_xn": [("self.issue_xn(xn, refill, lo + jn, tid, live, m)", "self.issue_xn(xn, refill, lo + jn, tid, Int32(0), m)")],
+    "no_finish": [("if ptx.lds_i32(ptx.smem_addr(flag)) == HEAD_UNITS:",
+                   "if ptx.lds_i32(ptx.smem_addr(flag)) == HEAD_UNITS + 1000000000:")],
+}
+KDEF = QKVDef()
+CFG = StreamConfig(stages=6)
+
+
+def entry(spec, v, tag, target, root=None):
+    src = codegen.render(v.kernel, KDEF.template_of(v), dict(KDEF.render_params(spec, v)))
+    for old, new in PATCHES[tag]:
+        if src.count(old) != 1:
+            raise RuntimeError(f"{tag}: {old!r} occurs {src.count(old)} times")
+        src = src.replace(old, new)
+    if tag != "ref":
+        src = src.replace("class QKVStream:", f"class QKVStream:  # ablation {tag}", 1)
+    key = cache.key_of(cache.key_material(v, src, target))
+    return cache.Entry(v, KDEF.template_of(v), src, target, key, root or cache.default_root())
+
+
+def cases():
+    from benchmarks.qkv import base_specs
+
+    flint, big = base_specs()
+    specs = [flint.replace(weight_format="bf16", name="flint-bf16", max_tokens=64), big.replace(max_tokens=64)]
+    return [(s, m) for s in specs for m in (1, 64)]
+
+
+def main():
+    root = None
+    if "--prebuild" in sys.argv:
+        root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
+        target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
+        for spec, m in cases():
+            v = KDEF.variant(spec, config=CFG, max_m=8 if m <= 8 else 64, target=target)
+            for tag in PATCHES:
+                cache.get_or_build(entry(spec, v, tag, target, root), fallback=False)
+        print(f"prebuilt {len(cases()) * len(PATCHES)} ablation binaries into {root}")
+        return
+    import torch
+
+    from benchmarks.harness import time_graph
+    from benchmarks.qkv import Layers, copies_for, make_weights, weight_bytes
+    from flintgen.kernels.qkv import QKVOp
+
+    target = toolchain.resolve_target()
+    lines = ["| spec | M | " + " | ".join(f"{t} µs" for t in PATCHES) + " | floor µs |", "|---|---|" + "---|" * (len(PATCHES) + 1)]
+    bw = None
+    from benchmarks.harness import read_bandwidth
+
+    bw = read_bandwidth()
+    for spec, m in cases():
+        v = KDEF.variant(spec, config=CFG, max_m=8 if m <= 8 else 64, target=target)
+        op = QKVOp(KDEF, spec, target, lambda vv: None, config=CFG)
+        weights = make_weights(spec, copies_for(spec))
+        lay = Layers(spec, m, weights)
+        row = []
+        for tag in PATCHES:
+            fn = cache.get_or_build(entry(spec, v, tag, target)).function
+            row.append(time_graph(lambda: fn(*lay.stream_args(lay.weights(), op, v)))["median_us"])
+        lines.append(f"| {spec.name} | {m} | " + " | ".join(f"{x:.2f}" for x in row)
+                     + f" | {weight_bytes(spec) / bw * 1e6:.2f} |")
+        print(lines[-1], flush=True)
+        torch.cuda.synchronize()
+    text = ("# qkv_stream_ablation\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\nRead bandwidth "
+            f"{bw / 1e12:.2f} TB/s.\n\n" + "\n".join(lines) + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "qkv_stream_ablation.md"), "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
