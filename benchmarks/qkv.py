@@ -120,8 +120,7 @@ class Layers:
     def stream_args(self, w, op, v):
         """The streaming binary ``v``'s arguments (its table; ``op``'s workspace)."""
         p = dict(v.params)
-        ws, counters = op._workspace.get(self.x.device, qkv_stream.plan_of(p).workspace_floats,
-                                         qkv_stream.plan_of(p).heads)
+        ws, counters = op._workspace.get(self.x.device)
         named = dict(xn=self.xn, weight=w[0], bias=self.bias, q_norm_weight=self.qn, k_norm_weight=self.kn,
                      cos_sin=self.cs, positions=self.pos, slot_mapping=self.slots, q=self.q, k_cache=self.k,
                      v_cache=self.v, workspace=ws, counters=counters, qk_eps=1e-6, **self.kv_kw)

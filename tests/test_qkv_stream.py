@@ -111,6 +111,10 @@ def test_variant_and_template():
     names = [a.name for a in args_of(dict(dbg.params))]
     assert names[2] == "bias"
     assert names[-6:] == ["k_scale", "v_scale", "workspace", "counters", "pre", "qk_eps"]
+    # one workspace per op, sized for its largest streaming tile (never replaced: graphs keep it)
+    op = QKVOp(KDEF, F64, T132, lambda v: None)
+    assert op._workspace.floats == plan_of(dict(KDEF.variants(F64, T132)[-1].params)).workspace_floats
+    assert op._workspace.heads == 40 and QKVOp(KDEF, FLINT, T132, lambda v: None)._workspace.floats == 0
     # another SM count is another binary
     assert KDEF.variant(F64, config=StreamConfig(), max_m=16, target=Target("sm_90a", 114)) != v
 

@@ -223,7 +223,12 @@ class QKVOp:
         # debug binaries: built on the first call with pre_norm_out
         self._debug_variants = {t: kdef.variant(spec, debug=True, config=config, max_m=t, target=target)
                                 for t in self.tiles}
-        self._workspace = qkv_stream.Workspace()
+        # one workspace for every streaming tile, sized for the largest: allocated once per device
+        # (warmup), never replaced, so a captured graph's buffer stays the op's
+        stream_plans = [qkv_stream.plan_of(dict(v.params)) for v in self._variants.values()
+                        if dict(v.params).get("design") == qkv_stream.DESIGN]
+        self._workspace = qkv_stream.Workspace(max((pl.workspace_floats for pl in stream_plans), default=0),
+                                               max((pl.heads for pl in stream_plans), default=0))
         self._norm = None
         h = spec.head_dim
         self.hidden = spec.hidden_size
@@ -480,8 +485,7 @@ class QKVOp:
         p = dict(v.params)
         if p.get("design") == qkv_stream.DESIGN:
             # the streaming binary: its argument table, tensors by name
-            plan = qkv_stream.plan_of(p)
-            ws, counters = self._workspace.get(x.device, plan.workspace_floats, plan.heads)
+            ws, counters = self._workspace.get(x.device)
             named = dict(xn=xn, weight=weight, bias=bias, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
                          cos_sin=cos_sin_cache, positions=positions, slot_mapping=slot_mapping, q=q,
                          k_cache=kc, v_cache=vc,

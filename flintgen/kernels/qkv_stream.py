@@ -96,28 +96,31 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Workspace:
-    """Per-device buffers of the streaming binaries: fp32 partials (sized for
-    the largest plan) and per-head arrival counters, zeroed once; every launch
-    leaves them at zero again. Launches sharing them run in stream order."""
+    """Per-device buffers of an op's streaming binaries: fp32 partials
+    (``floats``: the largest plan's) and per-head arrival counters, zeroed
+    once; every launch leaves the counters at zero again. Allocated on first
+    use (``warmup``) and never replaced, so a captured graph keeps using them.
+    Launches sharing them run in stream order."""
 
-    def __init__(self) -> None:
+    def __init__(self, floats: int, heads: int) -> None:
+        self.floats, self.heads = floats, heads
         self._lock = threading.Lock()
         self._bufs: dict[Any, tuple[Any, Any]] = {}
 
-    def get(self, device, floats: int, heads: int):
+    def get(self, device):
         import torch
 
         bufs = self._bufs.get(device)
-        if bufs is not None and bufs[0].numel() >= floats:
+        if bufs is not None:
             return bufs
         with self._lock:
             bufs = self._bufs.get(device)
-            if bufs is None or bufs[0].numel() < floats:
+            if bufs is None:
                 if torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("flintgen qkv: the streaming GEMV's workspace is allocated on first use, "
                                        "which must not be inside a CUDA-graph capture: call op.warmup(device) "
                                        "(or flintgen.warmup(spec)) before capturing")
-                bufs = (torch.empty(floats, dtype=torch.float32, device=device),
-                        torch.zeros(heads, dtype=torch.int32, device=device))
+                bufs = (torch.empty(max(self.floats, 1), dtype=torch.float32, device=device),
+                        torch.zeros(max(self.heads, 1), dtype=torch.int32, device=device))
                 self._bufs[device] = bufs
         return bufs
