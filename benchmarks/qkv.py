@@ -113,7 +113,7 @@ class Layers:
 
     def args_for(self, v, w, op):
         """The GEMV binary ``v``'s arguments for weights ``w`` (``op``: whose workspace a streaming binary uses)."""
-        if dict(v.params).get("design") == qkv_stream.DESIGN:
+        if qkv_stream.is_stream(v):
             return self.stream_args(w, op, v)
         return self.gemv_args(w)
 

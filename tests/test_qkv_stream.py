@@ -113,8 +113,8 @@ def test_variant_and_template():
     assert names[-6:] == ["k_scale", "v_scale", "workspace", "counters", "pre", "qk_eps"]
     # one workspace per op, sized for its largest streaming tile (never replaced: graphs keep it)
     op = QKVOp(KDEF, F64, T132, lambda v: None)
-    assert op._workspace.floats == plan_of(dict(KDEF.variants(F64, T132)[-1].params)).workspace_floats
-    assert op._workspace.heads == 40 and QKVOp(KDEF, FLINT, T132, lambda v: None)._workspace.floats == 0
+    assert op._workspace_size[0] == plan_of(dict(KDEF.variants(F64, T132)[-1].params)).workspace_floats
+    assert op._workspace_size[1] == 40 and QKVOp(KDEF, FLINT, T132, lambda v: None)._workspace_size[0] == 0
     # another SM count is another binary
     assert KDEF.variant(F64, config=StreamConfig(), max_m=16, target=Target("sm_90a", 114)) != v
 
@@ -178,7 +178,7 @@ def _stream_op(name, cfg=StreamConfig()):
 
 
 def _counters_zero(op):
-    for ws, counters in op._workspace._bufs.values():
+    for ws, counters in op._workspace.values():
         torch.cuda.synchronize()
         assert int(counters.abs().sum()) == 0, "a head counter was not reset"
 
@@ -397,3 +397,23 @@ def test_cache_key_covers_device_code_only():
                 pkg = name if cache._module_file(name).endswith("__init__.py") else name.rsplit(".", 1)[0]
                 todo += sorted(cache._imports(cache._read_module(name).decode(), pkg) - seen)
         assert all(n.startswith(("flintgen.device", "flintgen.configs", "flintgen.layout")) for n in seen), seen
+
+
+def test_device_buffers_allocate_once_per_device():
+    """flintgen.kernels.workspace.DeviceBuffers (decode attention's and the
+    streaming GEMV's workspaces): one make() per device, the same buffers
+    after, none allocated inside a capture."""
+    from unittest import mock
+
+    from flintgen.kernels.workspace import DeviceBuffers
+
+    made = []
+    bufs = DeviceBuffers("qkv", lambda d: made.append(d) or (d, len(made)))
+    with mock.patch("torch.cuda.is_current_stream_capturing", return_value=False):
+        assert bufs.get("a") is bufs.get("a") and bufs.get("b") == ("b", 2) and made == ["a", "b"]
+    assert bufs["a"] == ("a", 1) and list(bufs.values()) == [("a", 1), ("b", 2)]
+    with mock.patch("torch.cuda.is_current_stream_capturing", return_value=True):
+        assert bufs.get("a") == ("a", 1)      # allocated already: capture-safe
+        with pytest.raises(RuntimeError, match=r"flintgen qkv: the workspace is allocated on first use, which must "
+                                               r"not be inside a CUDA-graph capture: call op.warmup\(device\)"):
+            bufs.get("c")

@@ -60,12 +60,6 @@ def cp_async_wait(pending: int, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def fence_gpu(*, loc=None, ip=None):
-    """``fence.acq_rel.gpu`` (``__threadfence``)."""
-    _asm([], [], "fence.acq_rel.gpu;", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def stg_f32x2(addr, a, b, *, loc=None, ip=None):
     _asm([], [(Int64, addr), (Float32, a), (Float32, b)], "st.global.v2.f32 [$0], {$1, $2};",
          side_effects=True, loc=loc, ip=ip)

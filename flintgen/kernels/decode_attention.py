@@ -38,13 +38,13 @@ Contracts the op relies on (documented on ``DecodeAttentionOp``):
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels import kv_scales
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
+from flintgen.kernels.workspace import DeviceBuffers
 from flintgen.knobs import knobs
 from flintgen.spec import Spec
 
@@ -169,7 +169,6 @@ class _Workspace:
         self.part_o = part_o
         self.part_ml = part_ml
         self.counters = counters
-        self.last_stream = None
 
 
 class DecodeAttentionOp:
@@ -248,9 +247,8 @@ class DecodeAttentionOp:
         self._variants = {s: {b: _variant(spec, s, c) for b, c in cfgs.items()}
                           for s, cfgs in self._configs.items()}  # fmt: skip
         self._max_partials = max(dac.max_partials(c, self.kv_heads) for c in self._configs.values())
-        self._workspaces: dict[Any, _Workspace] = {}
+        self._workspaces = DeviceBuffers("decode_attention", self._make_workspace)
         self._no_sinks: dict[Any, Any] = {}
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------ validation
     def _check(self, q, kv_cache, block_tables, seq_lens, sinks, window, scale, out, softcap=None,
@@ -365,8 +363,8 @@ class DecodeAttentionOp:
             return out
         sliding = window is not None
         fn = self._load(self._variants[sliding][batch])
-        ws = self._workspace(q.device)
-        self._order_streams(q.device, ws)
+        ws = self._workspaces.get(q.device)
+        self._workspaces.order(q.device)
         if sinks is None:
             sinks = self._sinks_none(q.device)
         if knobs.check_inputs:
@@ -385,44 +383,18 @@ class DecodeAttentionOp:
            scale_log2, 0 if window is None else int(window), *cap)  # fmt: skip
         return out
 
-    def _workspace(self, device) -> _Workspace:
+    def _make_workspace(self, device) -> _Workspace:
         import torch
 
-        ws = self._workspaces.get(device)
-        if ws is not None:
-            return ws
-        with self._lock:
-            ws = self._workspaces.get(device)
-            if ws is None:
-                if torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("flintgen decode_attention: the workspace is allocated on first use, "
-                                       "which must not be inside a CUDA-graph capture: call op.warmup(device) "
-                                       "(or flintgen.warmup(spec)) before capturing")
-                n = max(self._max_partials, 1)
-                # Partials hold the real heads only (padded tile heads publish nothing).
-                g, d = self.layout.q_rows, self.head_dim
-                ws = _Workspace(
-                    torch.empty(n * g * d, dtype=torch.float32, device=device),
-                    torch.empty(n * 2 * g, dtype=torch.float32, device=device),
-                    # Zeroed once; every launch leaves them at zero again.
-                    torch.zeros(max(self.spec.max_batch * self.kv_heads, 1), dtype=torch.int32, device=device),
-                )
-                self._workspaces[device] = ws
-        return ws
-
-    def _order_streams(self, device, ws: _Workspace) -> None:
-        """Launches sharing the workspace run in stream order: a launch from
-        another stream than the previous one waits for that stream first. Not
-        during capture (the captured graph's order is the capture stream's)."""
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():
-            return
-        stream = torch.cuda.current_stream(device)
-        last = ws.last_stream
-        if last is not None and last != stream:
-            stream.wait_stream(last)
-        ws.last_stream = stream
+        n = max(self._max_partials, 1)
+        # Partials hold the real heads only (padded tile heads publish nothing).
+        g, d = self.layout.q_rows, self.head_dim
+        return _Workspace(
+            torch.empty(n * g * d, dtype=torch.float32, device=device),
+            torch.empty(n * 2 * g, dtype=torch.float32, device=device),
+            # Zeroed once; every launch leaves them at zero again.
+            torch.zeros(max(self.spec.max_batch * self.kv_heads, 1), dtype=torch.int32, device=device),
+        )
 
     def _sinks_none(self, device):
         import torch

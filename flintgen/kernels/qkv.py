@@ -152,14 +152,14 @@ class QKVDef(KernelDef):
 
     def variant_ptx(self, variant: Variant) -> tuple[str, ...]:
         """What ``variant``'s design needs in its PTX."""
-        return qkv_stream.REQUIRED_PTX if dict(variant.params).get("design") == qkv_stream.DESIGN else self.required_ptx
+        return qkv_stream.REQUIRED_PTX if qkv_stream.is_stream(variant) else self.required_ptx
 
     def template_of(self, variant: Variant) -> str:
-        return qkv_stream.TEMPLATE if dict(variant.params).get("design") == qkv_stream.DESIGN else self.template
+        return qkv_stream.TEMPLATE if qkv_stream.is_stream(variant) else self.template
 
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
         p = dict(variant.params)
-        if p.get("design") == qkv_stream.DESIGN:
+        if qkv_stream.is_stream(variant):
             return qkv_stream.render_params(p)
         missing = [k for k in _PARAM_KEYS if k not in p]
         if missing:
@@ -225,10 +225,10 @@ class QKVOp:
                                 for t in self.tiles}
         # one workspace for every streaming tile, sized for the largest: allocated once per device
         # (warmup), never replaced, so a captured graph's buffer stays the op's
-        stream_plans = [qkv_stream.plan_of(dict(v.params)) for v in self._variants.values()
-                        if dict(v.params).get("design") == qkv_stream.DESIGN]
-        self._workspace = qkv_stream.Workspace(max((pl.workspace_floats for pl in stream_plans), default=0),
-                                               max((pl.heads for pl in stream_plans), default=0))
+        stream_plans = [qkv_stream.plan_of(dict(v.params)) for v in self._variants.values() if qkv_stream.is_stream(v)]
+        self._workspace_size = (max((pl.workspace_floats for pl in stream_plans), default=0),
+                                max((pl.heads for pl in stream_plans), default=0))
+        self._workspace = qkv_stream.workspace(*self._workspace_size)
         self._norm = None
         h = spec.head_dim
         self.hidden = spec.hidden_size
@@ -460,39 +460,40 @@ class QKVOp:
             _, res_out = norm(x, norm_weight, eps, residual, out=xn, residual_out=residual_out)
         q = q_out if q_out is not None else torch.empty(m, self.q_heads * self.head_dim,
                                                          dtype=torch.bfloat16, device=x.device)
-        args = [xn, weight]
-        if self.is_nvfp4:
-            args += [weight_scale.view(torch.uint8), global_scale.reshape(1)]
-        if self.spec.qkv_bias:
-            args.append(bias)
-        if self.spec.qk_norm:
-            args += [q_norm_weight, k_norm_weight]
-        if self.rope:
-            args += [cos_sin_cache, positions]
         kc, vc = k_cache, v_cache
         if self.kv_fp8:
             # a uint8 cache is viewed as e4m3 (same bytes), the kernel's cache element
             kv_t = getattr(torch, layout.kv_dtype(self.spec.kv_cache_dtype).torch_dtype)
             kc, vc = k_cache.view(kv_t), v_cache.view(kv_t)
-            args += [slot_mapping, q, kc, vc, k_scale.reshape(1), v_scale.reshape(1)]
-        else:
-            args += [slot_mapping, q, kc, vc]
-        if pre_norm_out is not None:
-            args.append(pre_norm_out)
-        if self.spec.qk_norm:
-            args.append(qk_eps)
         v = (self._debug_variants if pre_norm_out is not None else self._variants)[token_tile(m)]
-        p = dict(v.params)
-        if p.get("design") == qkv_stream.DESIGN:
-            # the streaming binary: its argument table, tensors by name
+        if qkv_stream.is_stream(v):
+            # the streaming binary: its argument table, tensors by name; its workspace in stream order
             ws, counters = self._workspace.get(x.device)
+            self._workspace.order(x.device)
             named = dict(xn=xn, weight=weight, bias=bias, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
                          cos_sin=cos_sin_cache, positions=positions, slot_mapping=slot_mapping, q=q,
                          k_cache=kc, v_cache=vc,
                          k_scale=k_scale.reshape(1) if self.kv_fp8 else None,
                          v_scale=v_scale.reshape(1) if self.kv_fp8 else None,
                          workspace=ws, counters=counters, pre=pre_norm_out, qk_eps=qk_eps)
-            args = [named[a.name] for a in qkv_stream.args_of(p)]
+            args = [named[a.name] for a in qkv_stream.args_of(dict(v.params))]
+        else:
+            args = [xn, weight]
+            if self.is_nvfp4:
+                args += [weight_scale.view(torch.uint8), global_scale.reshape(1)]
+            if self.spec.qkv_bias:
+                args.append(bias)
+            if self.spec.qk_norm:
+                args += [q_norm_weight, k_norm_weight]
+            if self.rope:
+                args += [cos_sin_cache, positions]
+            args += [slot_mapping, q, kc, vc]
+            if self.kv_fp8:
+                args += [k_scale.reshape(1), v_scale.reshape(1)]
+            if pre_norm_out is not None:
+                args.append(pre_norm_out)
+            if self.spec.qk_norm:
+                args.append(qk_eps)
         self._load(v)(*args)
         return q, res_out
 

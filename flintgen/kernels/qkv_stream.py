@@ -9,7 +9,6 @@ Weights: bf16 (NVFP4 runs the cluster design).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -17,6 +16,7 @@ from flintgen import layout
 from flintgen.configs.qkv_config import EpilogueLanes
 from flintgen.configs.qkv_stream_plan import STREAM_STAGES, StreamConfig, StreamPlan, stream_chosen  # noqa: F401
 from flintgen.kernels.base import Target, Variant
+from flintgen.kernels.workspace import DeviceBuffers
 from flintgen.spec import Spec
 
 TEMPLATE = "qkv_stream.py.j2"
@@ -25,6 +25,11 @@ DESIGN = "stream"
 REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
                 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
+
+
+def is_stream(v: Variant) -> bool:
+    """Whether ``v`` is a binary of the streaming design."""
+    return dict(v.params).get("design") == DESIGN
 
 
 @dataclass(frozen=True)
@@ -95,32 +100,12 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-class Workspace:
-    """Per-device buffers of an op's streaming binaries: fp32 partials
+def workspace(floats: int, heads: int) -> DeviceBuffers:
+    """An op's buffers for its streaming binaries, per device: fp32 partials
     (``floats``: the largest plan's) and per-head arrival counters, zeroed
-    once; every launch leaves the counters at zero again. Allocated on first
-    use (``warmup``) and never replaced, so a captured graph keeps using them.
-    Launches sharing them run in stream order."""
+    once; every launch leaves the counters at zero again."""
+    import torch
 
-    def __init__(self, floats: int, heads: int) -> None:
-        self.floats, self.heads = floats, heads
-        self._lock = threading.Lock()
-        self._bufs: dict[Any, tuple[Any, Any]] = {}
-
-    def get(self, device):
-        import torch
-
-        bufs = self._bufs.get(device)
-        if bufs is not None:
-            return bufs
-        with self._lock:
-            bufs = self._bufs.get(device)
-            if bufs is None:
-                if torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("flintgen qkv: the streaming GEMV's workspace is allocated on first use, "
-                                       "which must not be inside a CUDA-graph capture: call op.warmup(device) "
-                                       "(or flintgen.warmup(spec)) before capturing")
-                bufs = (torch.empty(max(self.floats, 1), dtype=torch.float32, device=device),
-                        torch.zeros(max(self.heads, 1), dtype=torch.int32, device=device))
-                self._bufs[device] = bufs
-        return bufs
+    return DeviceBuffers("qkv", lambda device: (
+        torch.empty(max(floats, 1), dtype=torch.float32, device=device),
+        torch.zeros(max(heads, 1), dtype=torch.int32, device=device)))
