@@ -219,21 +219,27 @@ def fp8_specs():
 
 
 def stream_configs():
-    """--stream: (label, config) of the designs timed per M; ``--configs w2,s6,w2s6`` adds
-    streaming configs (w: 16-row tiles per warp, s: ring stages)."""
+    """--stream: (label, config) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2`` adds
+    streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers
+    (the register path), c: CTAs per SM)."""
     import re
 
     out = [("cluster", None), ("stream", qkv_stream.StreamConfig())]
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
-            w, st = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?", c).groups()
-            out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1))))
+            w, st, p, cs = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?", c).groups()
+            out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
+                                                                prefetch=int(p or 0), ctas_per_sm=int(cs or 1))))
     return out
 
 
 def mode_plan():
     """The table of the mode in sys.argv: ([(spec, token counts)], results name)."""
     if "--stream" in sys.argv:
+        if "--ms" in sys.argv:   # these token counts only, on specs whose max_tokens is their largest tile
+            ms = tuple(int(m) for m in sys.argv[sys.argv.index("--ms") + 1].split(","))
+            return [(s.replace(max_tokens=token_tile(max(ms))), ms) for s, _ in token_specs()
+                    if s.weight_format == "bf16"], "qkv_stream"
         return [(s, ms) for s, ms in token_specs() if s.weight_format == "bf16"], "qkv_stream"
     if "--shapes" in sys.argv:
         return report_specs(), "qkv_shapes"

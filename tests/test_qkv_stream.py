@@ -85,6 +85,51 @@ def test_plan_refusals():
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=8)
 
 
+@pytest.mark.parametrize("hidden, d, heads, ctas, mm", PLANS)
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_register_path_xn_slots(hidden, d, heads, ctas, mm, per_sm):
+    """Register path: every unit of a range finds its K step in the CTA's staged xn slots (slot j = the
+    range's unit j while a range meets each step at most once, else slot s = step s), and a group of
+    prefetch units meets at most two blocks (the two accumulator sets)."""
+    prefetch = min(4, hidden // 64)
+    # the same grid as one CTA per SM on ctas * per_sm SMs: its shared memory, per_sm times, must fit an SM
+    same = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas * per_sm, max_m=mm, prefetch=prefetch)
+    if (same.smem_bytes + sp.CTA_RESERVED_SMEM) * per_sm > sp.SMEM_PER_SM:
+        with pytest.raises(ValueError, match=r"exceed an SM's 233472: use fewer CTAs per SM"):
+            sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, prefetch=prefetch,
+                          ctas_per_sm=per_sm)
+        return
+    p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, prefetch=prefetch,
+                      ctas_per_sm=per_sm)
+    assert p.grid == min(ctas * per_sm, p.units) and p.ring_stages >= 0
+    for c in range(p.grid):
+        lo, hi = p.lo(c), p.lo(c + 1)
+        staged = {}
+        for j in range(hi - lo):
+            slot = j if p.xn_by_unit else (lo + j) % p.steps
+            assert 0 <= slot < p.xn_slots
+            staged.setdefault(slot, (lo + j) % p.steps)
+            assert staged[slot] == (lo + j) % p.steps          # one step per slot
+        for j0 in range(0, hi - lo, prefetch):
+            blocks = {u // p.steps for u in range(lo + j0, min(lo + j0 + prefetch, hi))}
+            assert len(blocks) <= 2 and (len(blocks) == 1 or max(blocks) == min(blocks) + 1)
+    assert p.smem_bytes == p.xn_slots * mm * 128 + p.head_rows_bytes + sp.FLAG_BYTES
+
+
+def test_register_path_refusals():
+    with pytest.raises(ValueError, match=r"prefetch = 9 must be 0 \(the cp.async ring\) or 1..8 units in registers"):
+        StreamConfig(prefetch=9)
+    with pytest.raises(ValueError, match=r"prefetch = 2 \(the register path\) takes no ring: stages = 6 must be 0"):
+        StreamConfig(prefetch=2, stages=6)
+    with pytest.raises(ValueError, match=r"ctas_per_sm = 5 must be 1..4"):
+        StreamConfig(ctas_per_sm=5)
+    with pytest.raises(ValueError, match=r"hidden = 192 has 3 K steps, fewer than prefetch = 4 .*prefetch fewer units"):
+        sp.StreamPlan(hidden=192, head_dim=128, heads=3, ctas=132, max_m=8, prefetch=4)
+    with pytest.raises(ValueError, match=r"4 CTAs of \d+ bytes of shared memory \(xn of 6 K steps x 64 tokens\) "
+                                         r"exceed an SM's 233472: use fewer CTAs per SM"):
+        sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, prefetch=4, ctas_per_sm=4)
+
+
 # ----------------------------------------------------------------- variants
 F64 = FLINT.replace(weight_format="bf16", max_tokens=64)
 
@@ -212,10 +257,18 @@ def _numerics_spec(op, name, m):
     _numerics(op, key, m, max(1, m - 1 - m // 8))
 
 
-# (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens) and two 16-row tiles per warp
+# (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens), two 16-row tiles per warp and
+# the register path (prefetch depths, 1 and 2 CTAs per SM)
 CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
-           (StreamConfig(warp_tiles=2, stages=4), 64, 64)]
+           (StreamConfig(warp_tiles=2, stages=4), 64, 64),
+           (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
+           (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 64),
+           (StreamConfig(prefetch=4), 33, 64), (StreamConfig(prefetch=4), 64, 64), (StreamConfig(prefetch=8), 2, 8)]
+
+
+def _cfg_id(c):
+    return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}c{c.ctas_per_sm}" if c.prefetch else "")
 
 
 def _ring_spec(max_tokens):
@@ -227,7 +280,7 @@ def _ring_spec(max_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg, m, max_tokens", CONFIGS, ids=[f"s{c.stages}w{c.warp_tiles}-M{m}" for c, m, _ in CONFIGS])
+@pytest.mark.parametrize("cfg, m, max_tokens", CONFIGS, ids=[f"{_cfg_id(c)}-M{m}" for c, m, _ in CONFIGS])
 def test_stream_other_configs(cfg, m, max_tokens):
     key, spec = _ring_spec(max_tokens)
     _numerics(_op(spec, cfg), key, m)

@@ -18,18 +18,26 @@ that completes a head sums the head's partials in CTA order (= K order:
 deterministic) and runs the per-head epilogue.
 
 Inside a CTA, ``warps = block_rows / (16 warp_tiles)`` warps each own
-``warp_tiles`` 16-row MMA tiles of the block and all ``max_m`` tokens; a ring of ``stages`` shared-memory
-stages, each one unit's weight rows and xn's 64 values of every token, is
-filled by ``cp.async`` (16-byte pieces, ``stages - 1`` units in flight).
-Shared rows are padded to ``ROW_STRIDE`` bytes, so the 8 rows of a 16-byte
-access phase land on distinct banks.
+``warp_tiles`` 16-row MMA tiles of the block and all ``max_m`` tokens. Two
+copy paths bring the weights:
+
+* the *ring* (``prefetch = 0``): ``stages`` shared-memory stages, each one
+  unit's weight rows and xn's 64 values of every token, filled by
+  ``cp.async`` (16-byte pieces, ``stages - 1`` units in flight). Shared rows
+  are padded to ``ROW_STRIDE`` bytes, so the 8 rows of a 16-byte access
+  phase land on distinct banks.
+* *registers* (``prefetch > 0``): each warp loads its own tiles' A fragments
+  straight from global memory (``ld.global.nc``, 16-byte pieces), ``prefetch``
+  units ahead, with no barrier per unit; xn's values of the range's K steps
+  are staged in shared memory once per CTA (``xn_slots`` slots of ``max_m``
+  tokens x 64 values). ``ctas_per_sm`` CTAs share an SM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX
+from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
 
 K_STEP = 64             # k per unit (4 quads x 16 values)
 ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
@@ -38,20 +46,29 @@ MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled p
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_chosen)
 STREAM_STAGES = 6       # ring depth the heuristic picks (StreamConfig)
+MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
+MAX_CTAS_PER_SM = 4
+XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
+CTA_RESERVED_SMEM = 1024  # shared memory the hardware reserves per CTA
 
 
 @dataclass(frozen=True)
 class StreamConfig:
     """Launch configuration of the streaming design: ``stages`` of the ring
-    (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages) and
-    ``warp_tiles`` 16-row MMA tiles per warp (StreamPlan)."""
+    (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages),
+    ``warp_tiles`` 16-row MMA tiles per warp, ``prefetch`` units in flight
+    per warp in registers (> 0: the register path, no ring; stages must be 0)
+    and ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count)."""
 
     stages: int = 0
     warp_tiles: int = 1
+    prefetch: int = 0
+    ctas_per_sm: int = 1
 
     def __post_init__(self) -> None:
-        StreamPlan(hidden=64, head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
-                   warp_tiles=self.warp_tiles)  # range checks
+        StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
+                   warp_tiles=self.warp_tiles, prefetch=self.prefetch,
+                   ctas_per_sm=self.ctas_per_sm)  # range checks
 
 
 def stream_chosen(weight_format: str, max_m: int) -> bool:
@@ -82,6 +99,8 @@ class StreamPlan:
     max_m: int       # token tile
     stages: int = 0  # 0: as many as fit shared memory (up to MAX_STAGES)
     warp_tiles: int = 1   # 16-row MMA tiles per warp (2: each xn fragment read from shared memory feeds two)
+    prefetch: int = 0     # > 0: the register path, units in flight per warp
+    ctas_per_sm: int = 1  # CTAs resident per SM: the grid is ctas x ctas_per_sm (at most one per unit)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -99,7 +118,23 @@ class StreamPlan:
         if self.warp_tiles not in (1, 2) or self.block_rows % (16 * self.warp_tiles):
             raise ValueError(f"StreamPlan: warp_tiles = {self.warp_tiles} must be 1 or 2 and divide the "
                              f"{self.block_rows // 16} tiles of a {self.block_rows}-row block")
-        if self.ring_stages < 2:
+        if not 0 <= self.prefetch <= MAX_PREFETCH:
+            raise ValueError(f"StreamPlan: prefetch = {self.prefetch} must be 0 (the cp.async ring) or "
+                             f"1..{MAX_PREFETCH} units in registers")
+        if self.prefetch and self.stages:
+            raise ValueError(f"StreamPlan: prefetch = {self.prefetch} (the register path) takes no ring: "
+                             f"stages = {self.stages} must be 0")
+        if self.prefetch and self.steps < self.prefetch:
+            raise ValueError(f"StreamPlan: hidden = {self.hidden} has {self.steps} K steps, fewer than "
+                             f"prefetch = {self.prefetch} (a group of prefetched units spans at most two "
+                             "blocks): prefetch fewer units")
+        if not 1 <= self.ctas_per_sm <= MAX_CTAS_PER_SM:
+            raise ValueError(f"StreamPlan: ctas_per_sm = {self.ctas_per_sm} must be 1..{MAX_CTAS_PER_SM}")
+        if self.prefetch and (self.smem_bytes + CTA_RESERVED_SMEM) * self.ctas_per_sm > SMEM_PER_SM:
+            raise ValueError(f"StreamPlan: {self.ctas_per_sm} CTAs of {self.smem_bytes} bytes of shared memory "
+                             f"(xn of {self.xn_slots} K steps x {self.max_m} tokens) exceed an SM's "
+                             f"{SMEM_PER_SM}: use fewer CTAs per SM")
+        if not self.prefetch and self.ring_stages < 2:
             want = self.stages or 2
             fit = StreamPlan(**{**self.__dict__, "stages": 0}).ring_stages if self.stages else 0
             raise ValueError(f"StreamPlan: {want} stages of {self.stage_bytes} bytes (max_m {self.max_m}, head_dim "
@@ -139,7 +174,7 @@ class StreamPlan:
 
     @property
     def grid(self) -> int:
-        return min(self.ctas, self.units)
+        return min(self.ctas * self.ctas_per_sm, self.units)
 
     def lo(self, c: int) -> int:
         """First unit of CTA ``c`` (``lo(grid) = units``)."""
@@ -201,6 +236,23 @@ class StreamPlan:
         """Ring (128-aligned, first), head rows (16), the flag (16)."""
         return stages * self.stage_bytes + self.head_rows_bytes + FLAG_BYTES
 
+    # ------------------------------------------------------------ register path
+    @property
+    def xn_by_unit(self) -> bool:
+        """Register path: xn slot j holds the K step of the range's unit j (a
+        range of at most ``steps`` units meets each step once); else slot s
+        holds step s (every step staged)."""
+        return self.max_units <= self.steps
+
+    @property
+    def xn_slots(self) -> int:
+        return self.max_units if self.xn_by_unit else self.steps
+
+    @property
+    def xn_bytes(self) -> int:
+        """Staged xn ``[xn_slots, 2 halves, max_m, 64 bytes]`` (register path)."""
+        return self.xn_slots * self.max_m * XN_SLOT_BYTES
+
     @property
     def ring_stages(self) -> int:
         """``stages``, or the most (<= MAX_STAGES) that fit a CTA."""
@@ -213,4 +265,6 @@ class StreamPlan:
 
     @property
     def smem_bytes(self) -> int:
+        if self.prefetch:
+            return self.xn_bytes + self.head_rows_bytes + FLAG_BYTES
         return self.smem_bytes_for(self.ring_stages)

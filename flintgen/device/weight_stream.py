@@ -16,6 +16,13 @@ Provenance: written for flintgen's streaming QKV GEMV.
   holds rows [16 i, 16 i + 16); thread (g, t) reads rows 16 i + g and
   16 i + g + 8, and token g of each 8-token n-tile, at bytes [32 t, 32 t + 32)
   of the row.
+* Register path (no ring): a warp loads its tiles' rows straight into
+  registers, thread (g, t) the 16-byte pieces at bytes 16 t and 64 + 16 t of
+  the unit's 128 (a quad reads 64 contiguous bytes per instruction); xn is
+  staged once per CTA as ``[slot, half, max_m, 64 bytes]`` and read with the
+  same pieces (a quarter-warp phase covers two tokens' 128 contiguous bytes:
+  no bank conflict). Words 0-3 / 4-7 of a row or token are its pieces at
+  16 t / 64 + 16 t, one K order for both operands.
 * Partials: ``ws [slots, rows, max_m]`` fp32; the thread's accumulator
   ``acc[nt]`` (c0, c1 = row g, tokens 8 nt + 2t, +1; c2, c3 = row g + 8) is
   two 8-byte pieces per n-tile.
@@ -27,7 +34,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from flintgen.configs.qkv_stream_plan import K_STEP, ROW_STRIDE
+from flintgen.configs.qkv_stream_plan import K_STEP, ROW_STRIDE, XN_SLOT_BYTES  # noqa: F401
 from flintgen.device import ptx
 from flintgen.device.ptx import _asm
 
@@ -107,6 +114,26 @@ def load_b(stage, rows: int, nt: int, g, t):
     """Token 8 nt + g's 16 values of the stage (8 bf16x2 words)."""
     a = stage + Int32((rows + nt * 8 + g) * ROW_STRIDE + t * 32)
     return list(ptx.lds_u32x4(a)) + list(ptx.lds_u32x4(a + 16))
+
+
+# ---------------------------------------------------------------- register path
+@dsl_user_op
+def ldg_nc_u32x4_pred(addr, pred, *, loc=None, ip=None):
+    """16 weight bytes (read-only for the kernel's lifetime: the non-coherent
+    path, not kept in L1); zeros, and no access, where ``pred`` (Int32) is 0."""
+    return ptx._ldg_or_zero(Uint32, 4, "ld.global.nc.L1::no_allocate.v4.u32", addr, pred, loc, ip)
+
+
+def load_unit_pieces(row_src, t, live):
+    """The 8 words of a row (``row_src``: its unit's first byte) thread t feeds the MMAs."""
+    return list(ldg_nc_u32x4_pred(row_src + Int64(t * 16), live)) + \
+        list(ldg_nc_u32x4_pred(row_src + Int64(64 + t * 16), live))
+
+
+def load_b_staged(xs0, slot, nt: int, g, t, max_m: int):
+    """Token 8 nt + g's 8 words of staged xn slot ``slot`` (the pieces of load_unit_pieces)."""
+    a = xs0 + Int32((slot * 2 * max_m + nt * 8 + g) * 64 + t * 16)
+    return list(ptx.lds_u32x4(a)) + list(ptx.lds_u32x4(a + Int32(max_m * 64)))
 
 
 # ---------------------------------------------------------------- partials

@@ -62,7 +62,8 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
 
 def plan_of(p: Mapping[str, Any]) -> StreamPlan:
     return StreamPlan(hidden=p["hidden"], head_dim=p["head_dim"], heads=p["q_heads"] + 2 * p["kv_heads"],
-                      ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1))
+                      ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
+                      prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -74,8 +75,10 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              rope=spec.rope_style != "none", rope_dim=spec.rope_dim, interleaved=spec.rope_style == "interleaved",
              qk_norm=spec.qk_norm, norm_offset=spec.norm_weight_offset if spec.qk_norm else 0, debug=debug,
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
-    if cfg.warp_tiles != 1:
-        p["warp_tiles"] = cfg.warp_tiles
+    # the defaults stay out of the params (and the cache keys of binaries built before them)
+    for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1)):
+        if getattr(cfg, name) != default:
+            p[name] = getattr(cfg, name)
     plan_of(p)   # raises where the shape does not fit
     return Variant.of("qkv", **p)
 
@@ -91,7 +94,10 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "kv_heads": p["kv_heads"], "n_rows": (p["q_heads"] + 2 * p["kv_heads"]) * p["head_dim"],
         "max_m": p["max_m"], "block_rows": plan.block_rows, "warps": plan.warps, "warp_tiles": plan.warp_tiles,
         "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
-        "max_segments": plan.max_segments, "max_contributors": plan.max_contributors, "stages": plan.ring_stages, "stage_bytes": plan.stage_bytes,
+        "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
+        "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
+        "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "xn_slots": plan.xn_slots,
+        "xn_by_unit": plan.xn_by_unit,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
