@@ -116,6 +116,38 @@ def test_register_path_xn_slots(hidden, d, heads, ctas, mm, per_sm):
     assert p.smem_bytes == p.xn_slots * mm * 128 + p.head_rows_bytes + sp.FLAG_BYTES
 
 
+@pytest.mark.parametrize("hidden, d, heads, ctas, mm", PLANS)
+@pytest.mark.parametrize("prefetch", [1, 2, 3, 4, 8])
+def test_register_path_publish_schedule(hidden, d, heads, ctas, mm, prefetch):
+    """The register path's loop (templates/qkv_stream.py.j2, PREFETCH > 0) replayed in Python: groups of
+    ``prefetch`` units, acc[0] for the current block and acc[1] for the next, a block published after the
+    group that completes it. Every unit lands in its own block's partial, every segment is published
+    once, in order, with the segment's unit count (= plan.segments), into the slot the merge reads."""
+    if hidden // 64 < prefetch:
+        return
+    p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, prefetch=prefetch)
+    for c in range(p.grid):
+        lo, hi = p.lo(c), p.lo(c + 1)
+        n, first = hi - lo, lo // p.steps
+        acc, cur, published = [[], []], first, []
+        for j0 in range(0, n, prefetch):
+            for q in range(prefetch):
+                j = j0 + q
+                if j < n:
+                    u = lo + j
+                    acc[0 if u < (cur + 1) * p.steps else 1].append(u)
+            done = min(lo + j0 + prefetch, hi)
+            for _ in range(2):
+                seg_lo, seg_hi = max(lo, cur * p.steps), min(hi, cur * p.steps + p.steps)
+                if seg_lo < done and seg_hi <= done:
+                    assert acc[0] == list(range(seg_lo, seg_hi))      # exactly the segment's units
+                    published.append((cur, seg_lo, seg_hi, c * p.max_segments + cur - first))
+                    acc, cur = [acc[1], []], cur + 1
+        assert acc == [[], []]
+        assert [(b, a, e) for b, a, e, _ in published] == p.segments(c)
+        assert [s for *_, s in published] == [p.slot(c, b) for b, *_ in published]
+
+
 def test_register_path_refusals():
     with pytest.raises(ValueError, match=r"prefetch = 9 must be 0 \(the cp.async ring\) or 1..8 units in registers"):
         StreamConfig(prefetch=9)
