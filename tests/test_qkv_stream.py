@@ -120,32 +120,44 @@ def test_register_path_xn_slots(hidden, d, heads, ctas, mm, per_sm):
 @pytest.mark.parametrize("prefetch", [1, 2, 3, 4, 8])
 def test_register_path_publish_schedule(hidden, d, heads, ctas, mm, prefetch):
     """The register path's loop (templates/qkv_stream.py.j2, PREFETCH > 0) replayed in Python: groups of
-    ``prefetch`` units, acc[0] for the current block and acc[1] for the next, a block published after the
-    group that completes it. Every unit lands in its own block's partial, every segment is published
-    once, in order, with the segment's unit count (= plan.segments), into the slot the merge reads."""
+    ``prefetch`` units into one accumulator set; at the next block's first unit the current block's
+    partial is stored (and acc restarts); after a group, a completed block is counted (its partial
+    stored then if no unit of the next block came yet). Every unit lands in its own block's partial,
+    every segment is stored and counted once, in order, with the segment's unit count (=
+    plan.segments), into the slot the merge reads."""
     if hidden // 64 < prefetch:
         return
     p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, prefetch=prefetch)
     for c in range(p.grid):
         lo, hi = p.lo(c), p.lo(c + 1)
         n, first = hi - lo, lo // p.steps
-        acc, cur, published = [[], []], first, []
+        acc, cur, stored, counted = [], first, {}, []
+
+        def store(slot):
+            assert slot not in stored
+            stored[slot] = list(acc)
+            acc.clear()
+
         for j0 in range(0, n, prefetch):
             for q in range(prefetch):
                 j = j0 + q
                 if j < n:
                     u = lo + j
-                    acc[0 if u < (cur + 1) * p.steps else 1].append(u)
+                    if u == (cur + 1) * p.steps:
+                        store(c * p.max_segments + cur - first)
+                    acc.append(u)
             done = min(lo + j0 + prefetch, hi)
             for _ in range(2):
                 seg_lo, seg_hi = max(lo, cur * p.steps), min(hi, cur * p.steps + p.steps)
                 if seg_lo < done and seg_hi <= done:
-                    assert acc[0] == list(range(seg_lo, seg_hi))      # exactly the segment's units
-                    published.append((cur, seg_lo, seg_hi, c * p.max_segments + cur - first))
-                    acc, cur = [acc[1], []], cur + 1
-        assert acc == [[], []]
-        assert [(b, a, e) for b, a, e, _ in published] == p.segments(c)
-        assert [s for *_, s in published] == [p.slot(c, b) for b, *_ in published]
+                    if seg_hi == done:
+                        store(c * p.max_segments + cur - first)
+                    slot = c * p.max_segments + cur - first
+                    assert stored[slot] == list(range(seg_lo, seg_hi))      # exactly the segment's units
+                    counted.append((cur, seg_lo, seg_hi))
+                    cur += 1
+        assert acc == [] and counted == p.segments(c)
+        assert sorted(stored) == sorted(p.slot(c, b) for b, *_ in counted)
 
 
 def test_register_path_refusals():
@@ -295,8 +307,8 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
            (StreamConfig(warp_tiles=2, stages=4), 64, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
-           (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 64),
-           (StreamConfig(prefetch=4), 33, 64), (StreamConfig(prefetch=4), 64, 64), (StreamConfig(prefetch=8), 2, 8)]
+           (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
+           (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8)]
 
 
 def _cfg_id(c):
