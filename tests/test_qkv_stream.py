@@ -184,7 +184,7 @@ def test_variant_and_template():
     assert KDEF.template_of(v) == "qkv_stream.py.j2" and KDEF.variant_ptx(v) == REQUIRED_PTX
     cluster = KDEF.variant(F64, max_m=8)
     assert KDEF.template_of(cluster) == "qkv_gemv.py.j2" and KDEF.variant_ptx(cluster) == KDEF.required_ptx
-    # the heuristic (stream_chosen): bf16 tiles of 16 tokens and more stream, 6 stages; NVFP4 and 8 tokens cluster
+    # the heuristic (stream_config): bf16 tiles of 16 tokens and more stream, 6 stages; NVFP4 and 8 tokens cluster
     assert [dict(v.params).get("design", "cluster") for v in KDEF.variants(F64, T132)] == ["cluster"] + ["stream"] * 3
     assert all(v["stages"] == sp.STREAM_STAGES == 6 for v in KDEF.variants(F64, T132)[1:])
     assert {dict(v.params).get("design") for v in KDEF.variants(FLINT.replace(max_tokens=64), T132)} == {None}

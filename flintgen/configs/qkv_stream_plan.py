@@ -44,7 +44,7 @@ ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (con
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
-STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_chosen)
+STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
 STREAM_STAGES = 6       # ring depth the heuristic picks (StreamConfig)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
@@ -71,9 +71,10 @@ class StreamConfig:
                    ctas_per_sm=self.ctas_per_sm)  # range checks
 
 
-def stream_chosen(weight_format: str, max_m: int) -> bool:
-    """Whether the token tile ``max_m`` of a spec runs the streaming design
-    (else the cluster design, flintgen.configs.qkv_config.QKVConfig).
+def stream_config(weight_format: str, max_m: int) -> "StreamConfig | None":
+    """The streaming design's configuration for the token tile ``max_m`` of a
+    spec, or None where the tile runs the cluster design
+    (flintgen.configs.qkv_config.QKVConfig).
 
     Measured on an H200 (benchmarks/results/qkv_stream.md, GEMV alone and
     the whole step, CUDA-graph replay, weights rotating beyond L2): bf16
@@ -86,8 +87,11 @@ def stream_chosen(weight_format: str, max_m: int) -> bool:
     10.64, a tie). The 8-token tile stays on the cluster design (M = 1..8:
     8.1-8.6 vs 9.2-9.7 us flint-bf16, 16.0-16.9 vs 16.9-17.3 hidden 4096).
     NVFP4 weights keep the cluster design (its dequantization in registers;
-    the streaming template takes bf16 only)."""
-    return weight_format == "bf16" and max_m >= STREAM_MIN_TOKENS
+    the streaming template takes bf16 only). The register path
+    (StreamConfig.prefetch) is not selected: not yet measured in the op."""
+    if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
+        return None
+    return StreamConfig(stages=STREAM_STAGES)
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,11 @@ class QKVDef(KernelDef):
 
     def config(self, spec: Spec, max_m: int = MMA_N) -> QKVConfig | qkv_stream.StreamConfig:
         """The design and launch configuration of token tile ``max_m``: the
-        streaming design where ``qkv_stream_plan.stream_chosen`` says (bf16,
-        16 tokens and more), else the cluster design's QKVConfig."""
-        if qkv_stream.stream_chosen(spec.weight_format, max_m):
-            return qkv_stream.StreamConfig(stages=qkv_stream.STREAM_STAGES)
+        streaming design where ``qkv_stream_plan.stream_config`` gives one
+        (bf16, 16 tokens and more), else the cluster design's QKVConfig."""
+        stream = qkv_stream.stream_config(spec.weight_format, max_m)
+        if stream is not None:
+            return stream
         return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m)
 
     def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | qkv_stream.StreamConfig | None = None,

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs.qkv_config import EpilogueLanes
-from flintgen.configs.qkv_stream_plan import STREAM_STAGES, StreamConfig, StreamPlan, stream_chosen  # noqa: F401
+from flintgen.configs.qkv_stream_plan import STREAM_STAGES, StreamConfig, StreamPlan, stream_config  # noqa: F401
 from flintgen.kernels.base import Target, Variant
 from flintgen.kernels.workspace import DeviceBuffers
 from flintgen.spec import Spec
