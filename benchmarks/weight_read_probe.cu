@@ -263,6 +263,53 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) k_frag(const __nv_bfloat16* 
     o[0] = acc[0]; o[1] = acc[1]; o[2] = acc[2]; o[3] = acc[3];
 }
 
+
+// Packed weights: the same fragments, laid out so that a warp's unit (its 16-row tile x 64 values)
+// is 2 KB contiguous, piece pc = 2 h + i (rows g + 8h, bytes 64 i + 16 t) at pc * 512 + lane * 16:
+// every load instruction reads 512 contiguous bytes, consecutive units of a tile are adjacent.
+template <int WARPS, int P, int MINB>
+__global__ void __launch_bounds__(32 * WARPS, MINB) k_packed(const __nv_bfloat16* __restrict__ w,
+                                                             const __nv_bfloat16* __restrict__ x, Shape sh, float* out) {
+    constexpr int BR = 16 * WARPS;
+    pdl_launch();
+    const int steps = sh.k / 64, units = sh.n / BR * steps;
+    int lo, hi; unit_range(units, lo, hi);
+    const int n = hi - lo, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const char* W = reinterpret_cast<const char*>(w);
+    const char* X = reinterpret_cast<const char*>(x) + (size_t)g * sh.k * 2;
+    uint4 buf[P][4];
+    auto issue = [&](int p, int j) {
+        bool live = j < n;
+        int u = lo + j, b = u / steps, s = u % steps;
+        const char* src = W + (((size_t)(b * WARPS + warp) * steps + s) * 4) * 512 + lane * 16;
+#pragma unroll
+        for (int pc = 0; pc < 4; ++pc) buf[p][pc] = live ? ldg_nc(src + pc * 512) : make_uint4(0, 0, 0, 0);
+    };
+#pragma unroll
+    for (int p = 0; p < P; ++p) issue(p, p);
+    pdl_wait();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j0 = 0; j0 < n; j0 += P) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            int j = j0 + p;
+            if (j < n) {
+                int s = (lo + j) % steps;
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    uint4 b = ldg_l1(X + (size_t)s * 128 + 16 * t + 64 * i);
+                    uint4 r0 = buf[p][i], r1 = buf[p][2 + i];
+                    mma16816(acc, r0.x, r1.x, r0.y, r1.y, b.x, b.y);
+                    mma16816(acc, r0.z, r1.z, r0.w, r1.w, b.z, b.w);
+                }
+            }
+            issue(p, j + P);
+        }
+    }
+    float* o = out + ((size_t)blockIdx.x * 32 * WARPS + threadIdx.x) * 4;
+    o[0] = acc[0]; o[1] = acc[1]; o[2] = acc[2]; o[3] = acc[3];
+}
+
 // ---------------------------------------------------------------- host
 static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
 
@@ -360,6 +407,14 @@ static void run_frag(Ctx& c, int grid, const __nv_bfloat16* x) {
     char name[64]; snprintf(name, 64, "frag W%d KB%d P%d G%d", WARPS, KB, P, grid); c.report(name, us);
 }
 
+
+template <int WARPS, int P, int MINB>
+static void run_packed(Ctx& c, int grid, const __nv_bfloat16* x) {
+    auto k = k_packed<WARPS, P, MINB>;
+    float us = time_graph(c.st, c.copies, [&](int i) { launch_pdl(c.st, k, grid, 32 * WARPS, 0, (const __nv_bfloat16*)c.w[i], x, c.sh, c.out); });
+    char name[64]; snprintf(name, 64, "packed W%d P%d G%d", WARPS, P, grid); c.report(name, us);
+}
+
 int main(int argc, char** argv) {
     cudaDriverEntryPointQueryResult q;
     CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&encode, cudaEnableDefault, &q));
@@ -390,13 +445,19 @@ int main(int argc, char** argv) {
                               m32.push_back(make_map(w, sh, 32)); m16.push_back(make_map(w, sh, 16)); }
         const int G = c.sms;
         __nv_bfloat16* x; CK(cudaMalloc(&x, (size_t)8 * sh.k * 2)); CK(cudaMemset(x, 0x3c, (size_t)8 * sh.k * 2));
-        bool all = argc > 1;
+        bool all = argc > 1 && strcmp(argv[1], "all") == 0;
         run_ldg<8>(c, G * 4); run_ldg<16>(c, G * 2);
         if (all) {
             run_cpasync<128, 64, 6>(c, G); run_cpasync<128, 64, 6>(c, 2 * G);
             run_bulk<16, 1024, 6, false>(c, G, nullptr);
             run_bulk<64, 128, 4, true>(c, 2 * G, &m64); run_bulk<64, 256, 4, true>(c, G, &m64);
         }
+        if (argc > 1 && strcmp(argv[1], "packed") == 0) {
+            run_packed<8, 4, 2>(c, 2 * G, x); run_packed<8, 3, 2>(c, 2 * G, x); run_packed<8, 2, 4>(c, 4 * G, x);
+            run_packed<8, 4, 1>(c, G, x); run_packed<8, 8, 1>(c, G, x); run_packed<16, 4, 1>(c, G, x);
+            run_packed<8, 6, 2>(c, 2 * G, x); run_packed<4, 4, 4>(c, 4 * G, x);
+            run_frag<8, 64, 4, 2>(c, 2 * G, x);
+        } else {
         run_frag<8, 64, 4, 2>(c, 2 * G, x);     // 128-row blocks, 4 units in flight, 2 CTAs / SM
         run_frag<8, 64, 4, 2>(c, G, x);
         run_frag<8, 64, 8, 1>(c, G, x);
@@ -409,6 +470,7 @@ int main(int argc, char** argv) {
         run_frag<8, 64, 6, 2>(c, 2 * G, x);
         run_frag<8, 64, 2, 4>(c, 4 * G, x);
         run_frag<16, 64, 2, 2>(c, 2 * G, x);
+        }
         CK(cudaFree(x));
         for (auto* w : c.w) CK(cudaFree(w));
     }
