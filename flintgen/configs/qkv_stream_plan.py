@@ -88,7 +88,9 @@ def stream_config(weight_format: str, max_m: int) -> "StreamConfig | None":
     8.1-8.6 vs 9.2-9.7 us flint-bf16, 16.0-16.9 vs 16.9-17.3 hidden 4096).
     NVFP4 weights keep the cluster design (its dequantization in registers;
     the streaming template takes bf16 only). The register path
-    (StreamConfig.prefetch) is not selected: not yet measured in the op."""
+    (StreamConfig.prefetch) is not selected: with row-major weights it is
+    slower than the ring and the cluster design at M = 1 / 8
+    (benchmarks/results/qkv_stream_register_path.md: 54-71 % of the floor)."""
     if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
         return None
     return StreamConfig(stages=STREAM_STAGES)
