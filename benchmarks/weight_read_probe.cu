@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) k_frag(const __nv_bfloat16* 
 // Packed weights: the same fragments, laid out so that a warp's unit (its 16-row tile x 64 values)
 // is 2 KB contiguous, piece pc = 2 h + i (rows g + 8h, bytes 64 i + 16 t) at pc * 512 + lane * 16:
 // every load instruction reads 512 contiguous bytes, consecutive units of a tile are adjacent.
-template <int WARPS, int P, int MINB>
+template <int WARPS, int P, int MINB, int NT>
 __global__ void __launch_bounds__(32 * WARPS, MINB) k_packed(const __nv_bfloat16* __restrict__ w,
                                                              const __nv_bfloat16* __restrict__ x, Shape sh, float* out) {
     constexpr int BR = 16 * WARPS;
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) k_packed(const __nv_bfloat16
 #pragma unroll
     for (int p = 0; p < P; ++p) issue(p, p);
     pdl_wait();
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[NT][4] = {};
     for (int j0 = 0; j0 < n; j0 += P) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
@@ -297,17 +297,23 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) k_packed(const __nv_bfloat16
                 int s = (lo + j) % steps;
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    uint4 b = ldg_l1(X + (size_t)s * 128 + 16 * t + 64 * i);
                     uint4 r0 = buf[p][i], r1 = buf[p][2 + i];
-                    mma16816(acc, r0.x, r1.x, r0.y, r1.y, b.x, b.y);
-                    mma16816(acc, r0.z, r1.z, r0.w, r1.w, b.z, b.w);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        uint4 b = ldg_l1(X + (size_t)nt * 8 * sh.k * 2 + (size_t)s * 128 + 16 * t + 64 * i);
+                        mma16816(acc[nt], r0.x, r1.x, r0.y, r1.y, b.x, b.y);
+                        mma16816(acc[nt], r0.z, r1.z, r0.w, r1.w, b.z, b.w);
+                    }
                 }
             }
             issue(p, j + P);
         }
     }
     float* o = out + ((size_t)blockIdx.x * 32 * WARPS + threadIdx.x) * 4;
-    o[0] = acc[0]; o[1] = acc[1]; o[2] = acc[2]; o[3] = acc[3];
+    float a = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) a += acc[nt][0] + acc[nt][1] + acc[nt][2] + acc[nt][3];
+    o[0] = a;
 }
 
 // ---------------------------------------------------------------- host
@@ -408,11 +414,11 @@ static void run_frag(Ctx& c, int grid, const __nv_bfloat16* x) {
 }
 
 
-template <int WARPS, int P, int MINB>
+template <int WARPS, int P, int MINB, int NT = 1>
 static void run_packed(Ctx& c, int grid, const __nv_bfloat16* x) {
-    auto k = k_packed<WARPS, P, MINB>;
+    auto k = k_packed<WARPS, P, MINB, NT>;
     float us = time_graph(c.st, c.copies, [&](int i) { launch_pdl(c.st, k, grid, 32 * WARPS, 0, (const __nv_bfloat16*)c.w[i], x, c.sh, c.out); });
-    char name[64]; snprintf(name, 64, "packed W%d P%d G%d", WARPS, P, grid); c.report(name, us);
+    char name[64]; snprintf(name, 64, "packed W%d P%d G%d M%d", WARPS, P, grid, 8 * NT); c.report(name, us);
 }
 
 int main(int argc, char** argv) {
@@ -444,7 +450,7 @@ int main(int argc, char** argv) {
         for (auto* w : c.w) { m128.push_back(make_map(w, sh, 128)); m64.push_back(make_map(w, sh, 64));
                               m32.push_back(make_map(w, sh, 32)); m16.push_back(make_map(w, sh, 16)); }
         const int G = c.sms;
-        __nv_bfloat16* x; CK(cudaMalloc(&x, (size_t)8 * sh.k * 2)); CK(cudaMemset(x, 0x3c, (size_t)8 * sh.k * 2));
+        __nv_bfloat16* x; CK(cudaMalloc(&x, (size_t)64 * sh.k * 2)); CK(cudaMemset(x, 0x3c, (size_t)64 * sh.k * 2));
         bool all = argc > 1 && strcmp(argv[1], "all") == 0;
         run_ldg<8>(c, G * 4); run_ldg<16>(c, G * 2);
         if (all) {
@@ -456,6 +462,8 @@ int main(int argc, char** argv) {
             run_packed<8, 4, 2>(c, 2 * G, x); run_packed<8, 3, 2>(c, 2 * G, x); run_packed<8, 2, 4>(c, 4 * G, x);
             run_packed<8, 4, 1>(c, G, x); run_packed<8, 8, 1>(c, G, x); run_packed<16, 4, 1>(c, G, x);
             run_packed<8, 6, 2>(c, 2 * G, x); run_packed<4, 4, 4>(c, 4 * G, x);
+            run_packed<8, 4, 2, 2>(c, 2 * G, x); run_packed<8, 2, 2, 4>(c, 2 * G, x); run_packed<8, 4, 1, 4>(c, G, x);
+            run_packed<8, 2, 2, 8>(c, 2 * G, x); run_packed<8, 4, 1, 8>(c, G, x);
             run_frag<8, 64, 4, 2>(c, 2 * G, x);
         } else {
         run_frag<8, 64, 4, 2>(c, 2 * G, x);     // 128-row blocks, 4 units in flight, 2 CTAs / SM
