@@ -170,9 +170,10 @@ __global__ void __launch_bounds__(160, 1) k_bulk(const __nv_bfloat16* __restrict
 }
 
 // ---------------------------------------------------------------- registers only
-template <int U>
+template <int U, bool WAIT_FIRST = false>
 __global__ void __launch_bounds__(256) k_ldg(const uint4* __restrict__ w, size_t pieces, float* out) {
     pdl_launch();
+    if (WAIT_FIRST) pdl_wait();   // nothing read before the previous grid completes
     // warp-contiguous chunks of 32 U pieces (512 U bytes), grid-strided
     const int lane = threadIdx.x % 32;
     const size_t warps = (size_t)gridDim.x * 8, gw = (size_t)blockIdx.x * 8 + threadIdx.x / 32;
@@ -398,11 +399,11 @@ static void run_bulk(Ctx& c, int grid, std::vector<CUtensorMap>* maps) {
     char name[64]; snprintf(name, 64, "%s R%d C%d S%d G%d", TMA ? "tma" : "bulk", R, C, S, grid); c.report(name, us);
 }
 
-template <int U>
+template <int U, bool WAIT_FIRST = false>
 static void run_ldg(Ctx& c, int grid) {
     size_t pieces = (size_t)c.sh.n * c.sh.k * 2 / 16;
-    float us = time_graph(c.st, c.copies, [&](int i) { launch_pdl(c.st, k_ldg<U>, grid, 256, 0, (const uint4*)c.w[i], pieces, c.out); });
-    char name[64]; snprintf(name, 64, "ldg U%d G%d", U, grid); c.report(name, us);
+    float us = time_graph(c.st, c.copies, [&](int i) { launch_pdl(c.st, k_ldg<U, WAIT_FIRST>, grid, 256, 0, (const uint4*)c.w[i], pieces, c.out); });
+    char name[64]; snprintf(name, 64, "ldg U%d G%d%s", U, grid, WAIT_FIRST ? " wait-first" : ""); c.report(name, us);
 }
 
 
@@ -458,7 +459,10 @@ int main(int argc, char** argv) {
             run_bulk<16, 1024, 6, false>(c, G, nullptr);
             run_bulk<64, 128, 4, true>(c, 2 * G, &m64); run_bulk<64, 256, 4, true>(c, G, &m64);
         }
-        if (argc > 1 && strcmp(argv[1], "packed") == 0) {
+        if (argc > 1 && strcmp(argv[1], "wait") == 0) {
+            run_ldg<8, true>(c, G * 4); run_ldg<16, true>(c, G * 2); run_ldg<8, true>(c, G * 8);
+            run_frag<8, 64, 4, 2>(c, 2 * G, x); run_packed<8, 2, 4>(c, 4 * G, x);
+        } else if (argc > 1 && strcmp(argv[1], "packed") == 0) {
             run_packed<8, 4, 2>(c, 2 * G, x); run_packed<8, 3, 2>(c, 2 * G, x); run_packed<8, 2, 4>(c, 4 * G, x);
             run_packed<8, 4, 1>(c, G, x); run_packed<8, 8, 1>(c, G, x); run_packed<16, 4, 1>(c, G, x);
             run_packed<8, 6, 2>(c, 2 * G, x); run_packed<4, 4, 4>(c, 4 * G, x);
