@@ -90,7 +90,8 @@ def stream_config(weight_format: str, max_m: int) -> "StreamConfig | None":
     the streaming template takes bf16 only). The register path
     (StreamConfig.prefetch) is not selected: with row-major weights it is
     slower than the ring and the cluster design at M = 1 / 8
-    (benchmarks/results/qkv_stream_register_path.md: 54-71 % of the floor)."""
+    (benchmarks/results/qkv_stream_register_path.md: 54-71 % of the floor;
+    why: benchmarks/results/weight_read_probe.md)."""
     if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
         return None
     return StreamConfig(stages=STREAM_STAGES)
