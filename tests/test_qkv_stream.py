@@ -169,6 +169,9 @@ def test_register_path_refusals():
         StreamConfig(ctas_per_sm=5)
     with pytest.raises(ValueError, match=r"hidden = 192 has 3 K steps, fewer than prefetch = 4 .*prefetch fewer units"):
         sp.StreamPlan(hidden=192, head_dim=128, heads=3, ctas=132, max_m=8, prefetch=4)
+    with pytest.raises(ValueError, match=r"2 CTAs of 119568 bytes of shared memory \(6 ring stages of 19584 bytes\) "
+                                         r"exceed an SM's 233472: use fewer CTAs per SM or fewer stages"):
+        StreamConfig(stages=6, ctas_per_sm=2)
     with pytest.raises(ValueError, match=r"4 CTAs of \d+ bytes of shared memory \(xn of 6 K steps x 64 tokens\) "
                                          r"exceed an SM's 233472: use fewer CTAs per SM"):
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, prefetch=4, ctas_per_sm=4)
@@ -308,11 +311,13 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(warp_tiles=2, stages=4), 64, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
-           (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8)]
+           (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
+           (StreamConfig(stages=4, ctas_per_sm=2), 3, 8), (StreamConfig(stages=5, ctas_per_sm=2), 8, 8)]
 
 
 def _cfg_id(c):
-    return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}c{c.ctas_per_sm}" if c.prefetch else "")
+    return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
+        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "")
 
 
 def _ring_spec(max_tokens):

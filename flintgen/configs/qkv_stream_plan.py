@@ -137,10 +137,12 @@ class StreamPlan:
                              "blocks): prefetch fewer units")
         if not 1 <= self.ctas_per_sm <= MAX_CTAS_PER_SM:
             raise ValueError(f"StreamPlan: ctas_per_sm = {self.ctas_per_sm} must be 1..{MAX_CTAS_PER_SM}")
-        if self.prefetch and (self.smem_bytes + CTA_RESERVED_SMEM) * self.ctas_per_sm > SMEM_PER_SM:
+        if (self.smem_bytes + CTA_RESERVED_SMEM) * self.ctas_per_sm > SMEM_PER_SM:
+            what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
+                    else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
             raise ValueError(f"StreamPlan: {self.ctas_per_sm} CTAs of {self.smem_bytes} bytes of shared memory "
-                             f"(xn of {self.xn_slots} K steps x {self.max_m} tokens) exceed an SM's "
-                             f"{SMEM_PER_SM}: use fewer CTAs per SM")
+                             f"({what}) exceed an SM's {SMEM_PER_SM}: use fewer CTAs per SM"
+                             + ("" if self.prefetch else " or fewer stages"))
         if not self.prefetch and self.ring_stages < 2:
             want = self.stages or 2
             fit = StreamPlan(**{**self.__dict__, "stages": 0}).ring_stages if self.stages else 0
