@@ -94,7 +94,7 @@ def test_register_path_xn_slots(hidden, d, heads, ctas, mm, per_sm):
     prefetch = min(4, hidden // 64)
     # the same grid as one CTA per SM on ctas * per_sm SMs: its shared memory, per_sm times, must fit an SM
     same = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas * per_sm, max_m=mm, prefetch=prefetch)
-    if (same.smem_bytes + sp.CTA_RESERVED_SMEM) * per_sm > sp.SMEM_PER_SM:
+    if (same.smem_bytes + sp.CTA_SMEM_RESERVED) * per_sm > sp.SMEM_PER_SM:
         with pytest.raises(ValueError, match=r"exceed an SM's 233472: use fewer CTAs per SM"):
             sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, prefetch=prefetch,
                           ctas_per_sm=per_sm)

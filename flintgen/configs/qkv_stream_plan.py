@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
+from flintgen.configs.qkv_config import CTA_SMEM_RESERVED
 
 K_STEP = 64             # k per unit (4 quads x 16 values)
 ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
@@ -49,7 +50,6 @@ STREAM_STAGES = 6       # ring depth the heuristic picks (StreamConfig)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
-CTA_RESERVED_SMEM = 1024  # shared memory the hardware reserves per CTA
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class StreamPlan:
                              "blocks): prefetch fewer units")
         if not 1 <= self.ctas_per_sm <= MAX_CTAS_PER_SM:
             raise ValueError(f"StreamPlan: ctas_per_sm = {self.ctas_per_sm} must be 1..{MAX_CTAS_PER_SM}")
-        if (self.smem_bytes + CTA_RESERVED_SMEM) * self.ctas_per_sm > SMEM_PER_SM:
+        if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
             raise ValueError(f"StreamPlan: {self.ctas_per_sm} CTAs of {self.smem_bytes} bytes of shared memory "

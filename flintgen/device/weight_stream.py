@@ -34,7 +34,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from flintgen.configs.qkv_stream_plan import K_STEP, ROW_STRIDE, XN_SLOT_BYTES  # noqa: F401
+from flintgen.configs.qkv_stream_plan import K_STEP, ROW_STRIDE, XN_SLOT_BYTES
 from flintgen.device import ptx
 from flintgen.device.ptx import _asm
 
@@ -132,8 +132,9 @@ def load_unit_pieces(row_src, t, live):
 
 def load_b_staged(xs0, slot, nt: int, g, t, max_m: int):
     """Token 8 nt + g's 8 words of staged xn slot ``slot`` (the pieces of load_unit_pieces)."""
-    a = xs0 + Int32((slot * 2 * max_m + nt * 8 + g) * 64 + t * 16)
-    return list(ptx.lds_u32x4(a)) + list(ptx.lds_u32x4(a + Int32(max_m * 64)))
+    half = XN_SLOT_BYTES // 2   # a token's 64 bytes of one half of the step
+    a = xs0 + Int32((slot * 2 * max_m + nt * 8 + g) * half + t * 16)
+    return list(ptx.lds_u32x4(a)) + list(ptx.lds_u32x4(a + Int32(max_m * half)))
 
 
 # ---------------------------------------------------------------- partials
