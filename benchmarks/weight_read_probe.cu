@@ -216,75 +216,33 @@ __device__ __forceinline__ void mma16816(float* c, unsigned a0, unsigned a1, uns
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-template <int WARPS, int KB, int P, int MINB>
+// PACKED: the same fragments from weights laid out so that a warp's unit (its 16-row tile x 64
+// values) is 2 KB contiguous, piece pc = 2 h + i (rows g + 8h, bytes 64 i + 16 t) at pc * 512 + lane * 16:
+// every load instruction reads 512 contiguous bytes, consecutive units of a tile are adjacent.
+// NT: 8-token MMA n-tiles (M = 8 NT tokens).
+template <int WARPS, int KB, int P, int MINB, int NT = 1, bool PACKED = false>
 __global__ void __launch_bounds__(32 * WARPS, MINB) k_frag(const __nv_bfloat16* __restrict__ w,
                                                            const __nv_bfloat16* __restrict__ x, Shape sh, float* out) {
-    constexpr int BR = 16 * WARPS, PC = KB / 32;   // pieces per row per unit (16 B = 8 values each... 2 per 64)
+    constexpr int BR = 16 * WARPS, PC = KB / 32;   // 16-byte pieces per row per unit, 2 per 64 values
+    static_assert(!PACKED || KB == 64, "packed units are 64 values");
     pdl_launch();
     const int steps = sh.k / KB, units = sh.n / BR * steps;
     int lo, hi; unit_range(units, lo, hi);
     const int n = hi - lo, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const char* W = reinterpret_cast<const char*>(w);
     const char* X = reinterpret_cast<const char*>(x) + (size_t)g * sh.k * 2;
-    uint4 buf[P][2][PC / 1];
-    auto addr = [&](int j, int half, int i) {
-        int u = lo + j, b = u / steps, s = u % steps;
-        size_t row = (size_t)b * BR + warp * 16 + g + 8 * half;
-        return W + row * sh.k * 2 + (size_t)s * KB * 2 + 16 * t + 64 * i;
-    };
-    auto issue = [&](int p, int j) {
+    uint4 buf[P][2][PC];
+    auto issue = [&](int p, int j) {   // unit j: piece (h, i) at src + h * hstride + i * istride
         bool live = j < n;
+        int u = lo + j, b = u / steps, s = u % steps;
+        const char* src = PACKED ? W + ((size_t)(b * WARPS + warp) * steps + s) * 4 * 512 + lane * 16
+                                 : W + ((size_t)b * BR + warp * 16 + g) * sh.k * 2 + (size_t)s * KB * 2 + 16 * t;
+        const size_t hstride = PACKED ? 2 * 512 : (size_t)8 * sh.k * 2, istride = PACKED ? 512 : 64;
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int i = 0; i < PC; ++i) buf[p][h][i] = live ? ldg_nc(addr(j, h, i)) : make_uint4(0, 0, 0, 0);
-    };
-#pragma unroll
-    for (int p = 0; p < P; ++p) issue(p, p);
-    pdl_wait();
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j0 = 0; j0 < n; j0 += P) {
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-            int j = j0 + p;
-            if (j < n) {
-                int s = (lo + j) % steps;
-#pragma unroll
-                for (int i = 0; i < PC; ++i) {
-                    uint4 b = ldg_l1(X + (size_t)s * KB * 2 + 16 * t + 64 * i);
-                    uint4 r0 = buf[p][0][i], r1 = buf[p][1][i];
-                    mma16816(acc, r0.x, r1.x, r0.y, r1.y, b.x, b.y);
-                    mma16816(acc, r0.z, r1.z, r0.w, r1.w, b.z, b.w);
-                }
-            }
-            issue(p, j + P);
-        }
-    }
-    float* o = out + ((size_t)blockIdx.x * 32 * WARPS + threadIdx.x) * 4;
-    o[0] = acc[0]; o[1] = acc[1]; o[2] = acc[2]; o[3] = acc[3];
-}
-
-
-// Packed weights: the same fragments, laid out so that a warp's unit (its 16-row tile x 64 values)
-// is 2 KB contiguous, piece pc = 2 h + i (rows g + 8h, bytes 64 i + 16 t) at pc * 512 + lane * 16:
-// every load instruction reads 512 contiguous bytes, consecutive units of a tile are adjacent.
-template <int WARPS, int P, int MINB, int NT>
-__global__ void __launch_bounds__(32 * WARPS, MINB) k_packed(const __nv_bfloat16* __restrict__ w,
-                                                             const __nv_bfloat16* __restrict__ x, Shape sh, float* out) {
-    constexpr int BR = 16 * WARPS;
-    pdl_launch();
-    const int steps = sh.k / 64, units = sh.n / BR * steps;
-    int lo, hi; unit_range(units, lo, hi);
-    const int n = hi - lo, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const char* W = reinterpret_cast<const char*>(w);
-    const char* X = reinterpret_cast<const char*>(x) + (size_t)g * sh.k * 2;
-    uint4 buf[P][4];
-    auto issue = [&](int p, int j) {
-        bool live = j < n;
-        int u = lo + j, b = u / steps, s = u % steps;
-        const char* src = W + (((size_t)(b * WARPS + warp) * steps + s) * 4) * 512 + lane * 16;
-#pragma unroll
-        for (int pc = 0; pc < 4; ++pc) buf[p][pc] = live ? ldg_nc(src + pc * 512) : make_uint4(0, 0, 0, 0);
+            for (int i = 0; i < PC; ++i)
+                buf[p][h][i] = live ? ldg_nc(src + h * hstride + i * istride) : make_uint4(0, 0, 0, 0);
     };
 #pragma unroll
     for (int p = 0; p < P; ++p) issue(p, p);
@@ -297,11 +255,11 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) k_packed(const __nv_bfloat16
             if (j < n) {
                 int s = (lo + j) % steps;
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    uint4 r0 = buf[p][i], r1 = buf[p][2 + i];
+                for (int i = 0; i < PC; ++i) {
+                    uint4 r0 = buf[p][0][i], r1 = buf[p][1][i];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        uint4 b = ldg_l1(X + (size_t)nt * 8 * sh.k * 2 + (size_t)s * 128 + 16 * t + 64 * i);
+                        uint4 b = ldg_l1(X + (size_t)nt * 8 * sh.k * 2 + (size_t)s * KB * 2 + 16 * t + 64 * i);
                         mma16816(acc[nt], r0.x, r1.x, r0.y, r1.y, b.x, b.y);
                         mma16816(acc[nt], r0.z, r1.z, r0.w, r1.w, b.z, b.w);
                     }
@@ -310,11 +268,10 @@ __global__ void __launch_bounds__(32 * WARPS, MINB) k_packed(const __nv_bfloat16
             issue(p, j + P);
         }
     }
-    float* o = out + ((size_t)blockIdx.x * 32 * WARPS + threadIdx.x) * 4;
     float a = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) a += acc[nt][0] + acc[nt][1] + acc[nt][2] + acc[nt][3];
-    o[0] = a;
+    out[(size_t)blockIdx.x * 32 * WARPS + threadIdx.x] = a;
 }
 
 // ---------------------------------------------------------------- host
@@ -417,7 +374,7 @@ static void run_frag(Ctx& c, int grid, const __nv_bfloat16* x) {
 
 template <int WARPS, int P, int MINB, int NT = 1>
 static void run_packed(Ctx& c, int grid, const __nv_bfloat16* x) {
-    auto k = k_packed<WARPS, P, MINB, NT>;
+    auto k = k_frag<WARPS, 64, P, MINB, NT, true>;
     float us = time_graph(c.st, c.copies, [&](int i) { launch_pdl(c.st, k, grid, 32 * WARPS, 0, (const __nv_bfloat16*)c.w[i], x, c.sh, c.out); });
     char name[64]; snprintf(name, 64, "packed W%d P%d G%d M%d", WARPS, P, grid, 8 * NT); c.report(name, us);
 }
