@@ -177,6 +177,27 @@ def test_register_path_refusals():
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, prefetch=4, ctas_per_sm=4)
 
 
+def test_occupancy():
+    """``occupancy`` sizes the CTA for that many per SM (the launch's min_blocks_per_mp) without
+    growing the grid: room for the next launch's CTAs."""
+    p = sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=8, stages=5, occupancy=2)
+    assert p.grid == 132 and p.resident == 2
+    assert sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=8, stages=5).resident == 1
+    v = KDEF.variant(F64, config=StreamConfig(stages=4, occupancy=2), max_m=16, target=T132)
+    assert v["occupancy"] == 2 and KDEF.render_params(F64, v)["occupancy"] == 2 \
+        and KDEF.render_params(F64, v)["grid"] == 132
+    # occupancy = ctas_per_sm is the default: the same binary (and cache key) as without it
+    assert KDEF.variant(F64, config=StreamConfig(stages=4, ctas_per_sm=2, occupancy=2), max_m=16, target=T132) == \
+        KDEF.variant(F64, config=StreamConfig(stages=4, ctas_per_sm=2), max_m=16, target=T132)
+    with pytest.raises(ValueError, match=r"occupancy = 1 must be 0 \(= ctas_per_sm\) or ctas_per_sm = 2..4"):
+        StreamConfig(stages=4, ctas_per_sm=2, occupancy=1)
+    with pytest.raises(ValueError, match=r"occupancy = 5 must be 0 \(= ctas_per_sm\) or ctas_per_sm = 1..4"):
+        StreamConfig(occupancy=5)
+    with pytest.raises(ValueError, match=r"2 CTAs of 119568 bytes of shared memory \(6 ring stages of 19584 bytes\) "
+                                         r"exceed an SM's 233472: use fewer CTAs per SM or fewer stages"):
+        StreamConfig(stages=6, occupancy=2)
+
+
 # ----------------------------------------------------------------- variants
 F64 = FLINT.replace(weight_format="bf16", max_tokens=64)
 
@@ -312,12 +333,14 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
            (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
-           (StreamConfig(stages=4, ctas_per_sm=2), 3, 8), (StreamConfig(stages=5, ctas_per_sm=2), 8, 8)]
+           (StreamConfig(stages=4, ctas_per_sm=2), 3, 8), (StreamConfig(stages=5, ctas_per_sm=2), 8, 8),
+           (StreamConfig(stages=5, occupancy=2), 8, 8), (StreamConfig(stages=3, occupancy=2), 64, 64),
+           (StreamConfig(stages=4, occupancy=2), 17, 32)]
 
 
 def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
-        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "")
+        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + (f"o{c.occupancy}" if c.occupancy else "")
 
 
 def _ring_spec(max_tokens):
