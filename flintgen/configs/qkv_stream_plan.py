@@ -62,18 +62,24 @@ class StreamConfig:
     and ``occupancy``: the CTAs per SM its shared memory and registers admit
     (0: ``ctas_per_sm``). Above ``ctas_per_sm`` the next launch's CTAs (PDL)
     are resident beside this launch's and issue their first units' weight
-    loads while it finishes."""
+    loads while it finishes. ``late_release`` (ring path): a CTA releases the
+    next launch (griddepcontrol.launch_dependents) once it has issued its
+    range's last copies instead of at its start, so the next launch's
+    first-unit loads fill this launch's tail (its last units and the heads'
+    epilogues) rather than competing with its stream."""
 
     stages: int = 0
     warp_tiles: int = 1
     prefetch: int = 0
     ctas_per_sm: int = 1
     occupancy: int = 0
+    late_release: bool = False
 
     def __post_init__(self) -> None:
         StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
                    warp_tiles=self.warp_tiles, prefetch=self.prefetch,
-                   ctas_per_sm=self.ctas_per_sm, occupancy=self.occupancy)  # range checks
+                   ctas_per_sm=self.ctas_per_sm, occupancy=self.occupancy,
+                   late_release=self.late_release)  # range checks
 
 
 def stream_config(weight_format: str, max_m: int) -> "StreamConfig | None":
@@ -114,6 +120,7 @@ class StreamPlan:
     prefetch: int = 0     # > 0: the register path, units in flight per warp
     ctas_per_sm: int = 1  # CTAs per SM of the grid: ctas x ctas_per_sm (at most one per unit)
     occupancy: int = 0    # CTAs per SM the footprint admits (0: ctas_per_sm); more leaves room for the next launch
+    late_release: bool = False   # ring path: release the next launch after the range's last copies
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -141,6 +148,9 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} has {self.steps} K steps, fewer than "
                              f"prefetch = {self.prefetch} (a group of prefetched units spans at most two "
                              "blocks): prefetch fewer units")
+        if self.late_release and self.prefetch:
+            raise ValueError(f"StreamPlan: late_release is a ring-path option, prefetch = {self.prefetch} "
+                             "(the register path) releases at its start: drop one of them")
         if not 1 <= self.ctas_per_sm <= MAX_CTAS_PER_SM:
             raise ValueError(f"StreamPlan: ctas_per_sm = {self.ctas_per_sm} must be 1..{MAX_CTAS_PER_SM}")
         if self.occupancy and not self.ctas_per_sm <= self.occupancy <= MAX_CTAS_PER_SM:
