@@ -221,19 +221,15 @@ def fp8_specs():
 def stream_configs():
     """--stream: (label, config) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2`` adds
     streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers
-    (the register path), c: CTAs per SM, o: occupancy, CTAs per SM the footprint admits; a trailing
-    L: late release of the next launch)."""
+    (the register path), c: CTAs per SM)."""
     import re
 
     out = [("cluster", None), ("stream", qkv_stream.StreamConfig())]
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
-            w, st, p, cs, oc, late = re.fullmatch(
-                r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(?:o(\d+))?(L?)", c).groups()
+            w, st, p, cs = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?", c).groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
-                                                                prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
-                                                                occupancy=int(oc or 0),
-                                                                late_release=bool(late))))
+                                                                prefetch=int(p or 0), ctas_per_sm=int(cs or 1))))
     return out
 
 

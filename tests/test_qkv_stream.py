@@ -177,42 +177,6 @@ def test_register_path_refusals():
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, prefetch=4, ctas_per_sm=4)
 
 
-def test_occupancy():
-    """``occupancy`` sizes the CTA for that many per SM (the launch's min_blocks_per_mp) without
-    growing the grid: room for the next launch's CTAs."""
-    p = sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=8, stages=5, occupancy=2)
-    assert p.grid == 132 and p.resident == 2
-    assert sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=8, stages=5).resident == 1
-    v = KDEF.variant(F64, config=StreamConfig(stages=4, occupancy=2), max_m=16, target=T132)
-    assert v["occupancy"] == 2 and KDEF.render_params(F64, v)["occupancy"] == 2 \
-        and KDEF.render_params(F64, v)["grid"] == 132
-    # occupancy = ctas_per_sm is the default: the same binary (and cache key) as without it
-    assert KDEF.variant(F64, config=StreamConfig(stages=4, ctas_per_sm=2, occupancy=2), max_m=16, target=T132) == \
-        KDEF.variant(F64, config=StreamConfig(stages=4, ctas_per_sm=2), max_m=16, target=T132)
-    with pytest.raises(ValueError, match=r"occupancy = 1 must be 0 \(= ctas_per_sm\) or ctas_per_sm = 2..4"):
-        StreamConfig(stages=4, ctas_per_sm=2, occupancy=1)
-    with pytest.raises(ValueError, match=r"occupancy = 5 must be 0 \(= ctas_per_sm\) or ctas_per_sm = 1..4"):
-        StreamConfig(occupancy=5)
-    with pytest.raises(ValueError, match=r"2 CTAs of 119568 bytes of shared memory \(6 ring stages of 19584 bytes\) "
-                                         r"exceed an SM's 233472: use fewer CTAs per SM or fewer stages"):
-        StreamConfig(stages=6, occupancy=2)
-
-
-def test_late_release():
-    """``late_release`` moves launch_dependents after the range's last copies (and after the prologue
-    where the prologue issues the whole range); a ring-path option only."""
-    v = KDEF.variant(F64, config=StreamConfig(stages=6, late_release=True), max_m=16, target=T132)
-    assert v["late_release"] is True and "late_release" not in dict(
-        KDEF.variant(F64, config=StreamConfig(stages=6), max_m=16, target=T132).params)
-    from flintgen import codegen
-
-    src = codegen.render("qkv", KDEF.template_of(v), dict(KDEF.render_params(F64, v)))
-    assert "LATE_RELEASE = True" in src and src.count("griddepcontrol_launch_dependents()") == 3
-    with pytest.raises(ValueError, match=r"late_release is a ring-path option, prefetch = 2 \(the register path\) "
-                                         r"releases at its start: drop one of them"):
-        StreamConfig(prefetch=2, late_release=True)
-
-
 # ----------------------------------------------------------------- variants
 F64 = FLINT.replace(weight_format="bf16", max_tokens=64)
 
@@ -348,17 +312,12 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
            (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
-           (StreamConfig(stages=4, ctas_per_sm=2), 3, 8), (StreamConfig(stages=5, ctas_per_sm=2), 8, 8),
-           (StreamConfig(stages=5, occupancy=2), 8, 8), (StreamConfig(stages=3, occupancy=2), 64, 64),
-           (StreamConfig(stages=4, occupancy=2), 17, 32), (StreamConfig(stages=6, late_release=True), 8, 8),
-           (StreamConfig(stages=5, occupancy=2, late_release=True), 1, 8),
-           (StreamConfig(stages=3, occupancy=2, late_release=True), 33, 64)]
+           (StreamConfig(stages=4, ctas_per_sm=2), 3, 8), (StreamConfig(stages=5, ctas_per_sm=2), 8, 8)]
 
 
 def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
-        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + (f"o{c.occupancy}" if c.occupancy else "") + \
-        ("L" if c.late_release else "")
+        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "")
 
 
 def _ring_spec(max_tokens):
@@ -374,25 +333,6 @@ def _ring_spec(max_tokens):
 def test_stream_other_configs(cfg, m, max_tokens):
     key, spec = _ring_spec(max_tokens)
     _numerics(_op(spec, cfg), key, m)
-
-
-LATE_PROLOGUE = StreamConfig(stages=11, late_release=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8])
-def test_stream_late_release_in_prologue(m):
-    """flint-bf16 at 8 tokens with 11 stages: 1280 units over 132 CTAs, 9 or 10 each, so CTAs of 9 units
-    release the next launch after the prologue (it issued the whole range) and CTAs of 10 at their first
-    unit."""
-    from test_qkv import SPECS, _numerics
-
-    key = "flint_bf16_m8"
-    SPECS.setdefault(key, SPECS["flint_bf16"].replace(max_tokens=8))
-    op = _op(SPECS[key], LATE_PROLOGUE)
-    plan = plan_of(dict(op._variants[8].params))
-    assert plan.ring_stages == 11 and {plan.lo(c + 1) - plan.lo(c) for c in range(plan.grid)} == {9, 10}
-    _numerics(op, key, m, m)
 
 
 FP8 = [("oss_bf16", 8), ("oss_bf16", 64), ("d96_r24", 33), ("glm4", 16), ("phi4_mini", 5)]
@@ -499,11 +439,6 @@ def gpu_variants(target):
         spec = _ring_spec(mt)[1]
         todo += [(KDEF, spec, KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=d))
                  for tile in token_tiles(mt) for d in (False, True)]
-    from test_qkv import SPECS as _S
-
-    flint8 = _S["flint_bf16"].replace(max_tokens=8)
-    todo += [(KDEF, flint8, KDEF.variant(flint8, config=LATE_PROLOGUE, max_m=8, target=target, debug=d))
-             for d in (False, True)]
     for name in names:
         for spec in (_spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")):
             if spec.kv_cache_dtype == "fp8_e4m3" and name not in dict(FP8):

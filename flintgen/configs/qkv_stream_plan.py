@@ -57,29 +57,18 @@ class StreamConfig:
     """Launch configuration of the streaming design: ``stages`` of the ring
     (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages),
     ``warp_tiles`` 16-row MMA tiles per warp, ``prefetch`` units in flight
-    per warp in registers (> 0: the register path, no ring; stages must be 0),
-    ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count)
-    and ``occupancy``: the CTAs per SM its shared memory and registers admit
-    (0: ``ctas_per_sm``). Above ``ctas_per_sm`` the next launch's CTAs (PDL)
-    are resident beside this launch's and issue their first units' weight
-    loads while it finishes. ``late_release`` (ring path): a CTA releases the
-    next launch (griddepcontrol.launch_dependents) once it has issued its
-    range's last copies instead of at its start, so the next launch's
-    first-unit loads fill this launch's tail (its last units and the heads'
-    epilogues) rather than competing with its stream."""
+    per warp in registers (> 0: the register path, no ring; stages must be 0)
+    and ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count)."""
 
     stages: int = 0
     warp_tiles: int = 1
     prefetch: int = 0
     ctas_per_sm: int = 1
-    occupancy: int = 0
-    late_release: bool = False
 
     def __post_init__(self) -> None:
         StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
                    warp_tiles=self.warp_tiles, prefetch=self.prefetch,
-                   ctas_per_sm=self.ctas_per_sm, occupancy=self.occupancy,
-                   late_release=self.late_release)  # range checks
+                   ctas_per_sm=self.ctas_per_sm)  # range checks
 
 
 def stream_config(weight_format: str, max_m: int) -> "StreamConfig | None":
@@ -118,9 +107,7 @@ class StreamPlan:
     stages: int = 0  # 0: as many as fit shared memory (up to MAX_STAGES)
     warp_tiles: int = 1   # 16-row MMA tiles per warp (2: each xn fragment read from shared memory feeds two)
     prefetch: int = 0     # > 0: the register path, units in flight per warp
-    ctas_per_sm: int = 1  # CTAs per SM of the grid: ctas x ctas_per_sm (at most one per unit)
-    occupancy: int = 0    # CTAs per SM the footprint admits (0: ctas_per_sm); more leaves room for the next launch
-    late_release: bool = False   # ring path: release the next launch after the range's last copies
+    ctas_per_sm: int = 1  # CTAs resident per SM: the grid is ctas x ctas_per_sm (at most one per unit)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -148,18 +135,12 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} has {self.steps} K steps, fewer than "
                              f"prefetch = {self.prefetch} (a group of prefetched units spans at most two "
                              "blocks): prefetch fewer units")
-        if self.late_release and self.prefetch:
-            raise ValueError(f"StreamPlan: late_release is a ring-path option, prefetch = {self.prefetch} "
-                             "(the register path) releases at its start: drop one of them")
         if not 1 <= self.ctas_per_sm <= MAX_CTAS_PER_SM:
             raise ValueError(f"StreamPlan: ctas_per_sm = {self.ctas_per_sm} must be 1..{MAX_CTAS_PER_SM}")
-        if self.occupancy and not self.ctas_per_sm <= self.occupancy <= MAX_CTAS_PER_SM:
-            raise ValueError(f"StreamPlan: occupancy = {self.occupancy} must be 0 (= ctas_per_sm) or "
-                             f"ctas_per_sm = {self.ctas_per_sm}..{MAX_CTAS_PER_SM}")
-        if (self.smem_bytes + CTA_SMEM_RESERVED) * self.resident > SMEM_PER_SM:
+        if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
-            raise ValueError(f"StreamPlan: {self.resident} CTAs of {self.smem_bytes} bytes of shared memory "
+            raise ValueError(f"StreamPlan: {self.ctas_per_sm} CTAs of {self.smem_bytes} bytes of shared memory "
                              f"({what}) exceed an SM's {SMEM_PER_SM}: use fewer CTAs per SM"
                              + ("" if self.prefetch else " or fewer stages"))
         if not self.prefetch and self.ring_stages < 2:
@@ -171,11 +152,6 @@ class StreamPlan:
                              + (f"use at most {fit} stages" if fit >= 2 else "this shape does not fit the design"))
 
     # ------------------------------------------------------------ geometry
-    @property
-    def resident(self) -> int:
-        """CTAs per SM the footprint admits (the launch's min_blocks_per_mp)."""
-        return self.occupancy or self.ctas_per_sm
-
     @property
     def block_rows(self) -> int:
         return min(self.head_dim, MAX_BLOCK_ROWS)

@@ -63,8 +63,7 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
 def plan_of(p: Mapping[str, Any]) -> StreamPlan:
     return StreamPlan(hidden=p["hidden"], head_dim=p["head_dim"], heads=p["q_heads"] + 2 * p["kv_heads"],
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
-                      prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
-                      occupancy=p.get("occupancy", 0), late_release=p.get("late_release", False))
+                      prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -80,10 +79,6 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
-    if cfg.occupancy not in (0, cfg.ctas_per_sm):
-        p["occupancy"] = cfg.occupancy
-    if cfg.late_release:
-        p["late_release"] = True
     plan_of(p)   # raises where the shape does not fit
     return Variant.of("qkv", **p)
 
@@ -101,7 +96,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
-        "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "occupancy": plan.resident, "late_release": plan.late_release, "xn_slots": plan.xn_slots,
+        "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
