@@ -50,6 +50,8 @@ STREAM_STAGES = 6       # ring depth the heuristic picks (StreamConfig)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
+MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when merging a head (ring path)
+MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next units' weights in registers
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,23 @@ class StreamPlan:
     def workspace_floats(self) -> int:
         """fp32 partials: ``[slots, block_rows, max_m]``."""
         return self.slots * self.block_rows * self.max_m
+
+    # ------------------------------------------------------------ merging a head
+    @property
+    def merge_floats(self) -> int:
+        return MERGE_FLOATS_REGISTER_PATH if self.prefetch else MERGE_FLOATS
+
+    @property
+    def merge_ntiles(self) -> int:
+        """8-token n-tiles of every contributor's partial loaded per merge round: the most that divide
+        the tile's n-tiles with ``4 max_contributors n <= merge_floats`` (1 past 6 contributors or on the
+        register path). Measured (qkv_stream_launch.md): rounds are L2 latencies on the kernel's tail,
+        so fewer rounds shorten it."""
+        if self.prefetch or self.max_contributors > 6:
+            return 1
+        n_tiles = self.max_m // 8
+        fit = [n for n in range(1, n_tiles + 1) if n_tiles % n == 0 and 4 * self.max_contributors * n <= self.merge_floats]
+        return max(fit, default=1)
 
     # ------------------------------------------------------------ shared memory
     @property

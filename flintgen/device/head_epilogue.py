@@ -229,53 +229,59 @@ def finish_qk(
     dp = None
     if cutlass.const_expr(lanes.pass_e > 0):
         dp = pass_start(lane, lanes)
+    # Two passes over the warp's tokens: the values of every token first (no branch, so the
+    # tokens' shuffle reductions and RoPE overlap; a token >= M reads row min(n, M - 1) and is
+    # not stored), then the stores of tokens < M.
+    outs = []
+    for it in cutlass.range_constexpr(token_iters):
+        n = cutlass.max(cutlass.min(warp + it * warps, m - 1), 0)
+        row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
+        if cutlass.const_expr(lanes.interleaved):
+            x1, x2 = rope.deinterleave(ldst.lds_bf16_run(row + d * 2, 2 * e))
+        else:
+            x1 = ldst.lds_bf16_run(row + d * 2, e)
+            x2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
+        xp = []
+        if cutlass.const_expr(lanes.pass_e > 0):
+            xp = ldst.lds_bf16_run(row + dp * 2, lanes.pass_e)
+        if cutlass.const_expr(has_qk_norm):
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(e):
+                ss = ss + x1[i] * x1[i] + x2[i] * x2[i]
+            if cutlass.const_expr(lanes.pair_lanes < 32):
+                ss = ptx.select_f32(Int32(lane < lanes.pair_lanes), ss, Float32(0.0))
+            if cutlass.const_expr(lanes.pass_e > 0):
+                sp = Float32(0.0)
+                for i in cutlass.range_constexpr(lanes.pass_e):
+                    sp = sp + xp[i] * xp[i]
+                if cutlass.const_expr(lanes.pass_lanes < 32):
+                    sp = ptx.select_f32(Int32(lane < lanes.pass_lanes), sp, Float32(0.0))
+                ss = ss + sp
+            rstd = rope.rms_scale(warp_sum(ss), 1.0 / head_dim, qk_eps)
+            for i in cutlass.range_constexpr(e):
+                x1[i] = x1[i] * rstd * norm_w[0][i]
+                x2[i] = x2[i] * rstd * norm_w[1][i]
+            for i in cutlass.range_constexpr(lanes.pass_e):
+                xp[i] = xp[i] * rstd * norm_w[2][i]
+        if cutlass.const_expr(has_rope):
+            c = tok[it][1]
+            s = tok[it][2]
+            for i in cutlass.range_constexpr(e):
+                x1[i], x2[i] = rope.rope_neox(x1[i], x2[i], c[i], s[i])
+        o2 = None
+        if cutlass.const_expr(lanes.interleaved):
+            o1 = ldst.pack_bf16_run(rope.interleave(x1, x2))
+        else:
+            o1 = ldst.pack_bf16_run(x1)
+            o2 = ldst.pack_bf16_run(x2)
+        op = None
+        if cutlass.const_expr(lanes.pass_e > 0):
+            op = ldst.pack_bf16_run(xp)
+        outs.append((o1, o2, op))
     for it in cutlass.range_constexpr(token_iters):
         n = warp + it * warps
+        o1, o2, op = outs[it]
         if n < m:
-            row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
-            if cutlass.const_expr(lanes.interleaved):
-                x1, x2 = rope.deinterleave(ldst.lds_bf16_run(row + d * 2, 2 * e))
-            else:
-                x1 = ldst.lds_bf16_run(row + d * 2, e)
-                x2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
-            xp = []
-            if cutlass.const_expr(lanes.pass_e > 0):
-                xp = ldst.lds_bf16_run(row + dp * 2, lanes.pass_e)
-            if cutlass.const_expr(has_qk_norm):
-                ss = Float32(0.0)
-                for i in cutlass.range_constexpr(e):
-                    ss = ss + x1[i] * x1[i] + x2[i] * x2[i]
-                if cutlass.const_expr(lanes.pair_lanes < 32):
-                    if lane >= lanes.pair_lanes:
-                        ss = Float32(0.0)
-                if cutlass.const_expr(lanes.pass_e > 0):
-                    sp = Float32(0.0)
-                    for i in cutlass.range_constexpr(lanes.pass_e):
-                        sp = sp + xp[i] * xp[i]
-                    if cutlass.const_expr(lanes.pass_lanes < 32):
-                        if lane >= lanes.pass_lanes:
-                            sp = Float32(0.0)
-                    ss = ss + sp
-                rstd = rope.rms_scale(warp_sum(ss), 1.0 / head_dim, qk_eps)
-                for i in cutlass.range_constexpr(e):
-                    x1[i] = x1[i] * rstd * norm_w[0][i]
-                    x2[i] = x2[i] * rstd * norm_w[1][i]
-                for i in cutlass.range_constexpr(lanes.pass_e):
-                    xp[i] = xp[i] * rstd * norm_w[2][i]
-            if cutlass.const_expr(has_rope):
-                c = tok[it][1]
-                s = tok[it][2]
-                for i in cutlass.range_constexpr(e):
-                    x1[i], x2[i] = rope.rope_neox(x1[i], x2[i], c[i], s[i])
-            o2 = None
-            if cutlass.const_expr(lanes.interleaved):
-                o1 = ldst.pack_bf16_run(rope.interleave(x1, x2))
-            else:
-                o1 = ldst.pack_bf16_run(x1)
-                o2 = ldst.pack_bf16_run(x2)
-            op = None
-            if cutlass.const_expr(lanes.pass_e > 0):
-                op = ldst.pack_bf16_run(xp)
             if head < q_heads:
                 dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * Q_EB
                 _store_head(dst, o1, o2, op, lane, d, dp, lanes, Q_EB)

@@ -390,3 +390,10 @@ def mma_bf16_16816(c, a, b0, b1, *, loc=None, ip=None):
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
         loc=loc, ip=ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def select_f32(pred, a, b, *, loc=None, ip=None):
+    """``a`` where ``pred`` (Int32) is nonzero, else ``b`` (bits unchanged)."""
+    return _asm([Float32], [(Int32, pred), (Float32, a), (Float32, b)],
+                "{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.f32 $0, $2, $3, p; }", loc=loc, ip=ip)

@@ -161,13 +161,6 @@ def ldg_cg_f32x2_pred(addr, pred, *, loc=None, ip=None):
     return ptx._ldg_or_zero(Float32, 2, "ld.global.cg.v2.f32", addr, pred, loc, ip)
 
 
-@dsl_user_op
-def select_f32(pred, a, b, *, loc=None, ip=None):
-    """``a`` where ``pred`` (Int32) is nonzero, else ``b`` (bits unchanged)."""
-    return _asm([Float32], [(Int32, pred), (Float32, a), (Float32, b)],
-                "{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.f32 $0, $2, $3, p; }", loc=loc, ip=ip)
-
-
 def sum_partials(slots, live, tile, g, t, n_tiles, max_m: int, init=None):
     """The thread's accumulator positions of n-tiles ``n_tiles`` (a range) summed over workspace slots
     ``slots`` (global addresses) in order, ``live[i]`` (Int32) gating each:

@@ -97,7 +97,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "xn_slots": plan.xn_slots,
-        "xn_by_unit": plan.xn_by_unit,
+        "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
