@@ -224,7 +224,7 @@ def stream_configs():
     (the register path), c: CTAs per SM)."""
     import re
 
-    out = [("cluster", None), ("stream", qkv_stream.StreamConfig())]
+    out = [("production", None), ("stream", qkv_stream.StreamConfig())]
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
             w, st, p, cs = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?", c).groups()
@@ -358,8 +358,10 @@ def stream_main():
                 print(spec.name, m, label, f"step {whole['median_us']:.2f} us, GEMV {alone['median_us']:.2f} us "
                       f"({rows[-1].pct_of_floor:.0f}% of floor)", flush=True)
     print(write_results("qkv_stream", rows, bw, "BF16 weights rotate over copies exceeding L2. Floor: weight "
-                        "(+ activation) bytes / read bandwidth. Designs: cluster = the register-prefetch GEMV "
-                        "(clusters per head), stream = the persistent split-K grid with a cp.async ring."))
+                        "(+ activation) bytes / read bandwidth. Designs: production = what the op picks per token tile "
+                        "(qkv_stream_plan.stream_config: the cluster design, register prefetch with a cluster per head, "
+                        "at M <= 8; the streaming design's ring of 6 stages from 16 tokens), stream = the persistent "
+                        "split-K grid with a cp.async ring (configs as labelled)."))
 
 
 def main():
