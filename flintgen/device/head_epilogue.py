@@ -108,19 +108,26 @@ def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_s
     return out
 
 
+def cache_row(slot, block_size, stride_block, stride_token):
+    """Element offset of a slot's token row in a cache view (``blk * stride_block
+    + off * stride_token``), or -1 for a negative slot: branch-free, so in
+    finish_qk's values pass the tokens' 64-bit divisions overlap."""
+    live = Int64(Int32(slot >= Int64(0)))
+    s = slot * live
+    blk = s // Int64(block_size)
+    row = blk * stride_block + (s - blk * Int64(block_size)) * stride_token
+    return row * live + (live - Int64(1))
+
+
 @cute.jit
-def cache_addr(cache: cute.Tensor, slot: Int64, kv_head: Int32, d: Int32, block_size: Int32,
-               stride_block: Int64, stride_token: Int64, stride_head: Int64,
+def cache_addr(cache: cute.Tensor, row: Int64, kv_head: Int32, d: Int32, stride_head: Int64,
                kv_eb: cutlass.Constexpr[int]) -> Int64:
-    """Address of element d of a token's row in a cache view of ``kv_eb``-byte
-    elements, or 0 when the token has no slot (past slot_mapping, or a
-    negative slot)."""
+    """Address of element d of a token's row (``cache_row``) in a cache view of
+    ``kv_eb``-byte elements, or 0 when the token has no slot (past
+    slot_mapping, or a negative slot)."""
     addr = Int64(0)
-    if slot >= Int64(0):
-        blk = slot // Int64(block_size)
-        off = slot - blk * Int64(block_size)
-        addr = cache.iterator.toint() + (
-            blk * stride_block + off * stride_token + Int64(kv_head) * stride_head + Int64(d)) * kv_eb
+    if row >= Int64(0):
+        addr = cache.iterator.toint() + (row + Int64(kv_head) * stride_head + Int64(d)) * kv_eb
     return addr
 
 
@@ -229,73 +236,75 @@ def finish_qk(
     dp = None
     if cutlass.const_expr(lanes.pass_e > 0):
         dp = pass_start(lane, lanes)
-    # Two passes over the warp's tokens: the values of every token first (no branch, so the
-    # tokens' shuffle reductions and RoPE overlap; a token >= M reads row min(n, M - 1) and is
-    # not stored), then the stores of tokens < M.
-    outs = []
-    for it in cutlass.range_constexpr(token_iters):
-        n = cutlass.max(cutlass.min(warp + it * warps, m - 1), 0)
-        row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
-        if cutlass.const_expr(lanes.interleaved):
-            x1, x2 = rope.deinterleave(ldst.lds_bf16_run(row + d * 2, 2 * e))
-        else:
-            x1 = ldst.lds_bf16_run(row + d * 2, e)
-            x2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
-        xp = []
-        if cutlass.const_expr(lanes.pass_e > 0):
-            xp = ldst.lds_bf16_run(row + dp * 2, lanes.pass_e)
-        if cutlass.const_expr(has_qk_norm):
-            ss = Float32(0.0)
-            for i in cutlass.range_constexpr(e):
-                ss = ss + x1[i] * x1[i] + x2[i] * x2[i]
-            if cutlass.const_expr(lanes.pair_lanes < 32):
-                ss = ptx.select_f32(Int32(lane < lanes.pair_lanes), ss, Float32(0.0))
-            if cutlass.const_expr(lanes.pass_e > 0):
-                sp = Float32(0.0)
-                for i in cutlass.range_constexpr(lanes.pass_e):
-                    sp = sp + xp[i] * xp[i]
-                if cutlass.const_expr(lanes.pass_lanes < 32):
-                    sp = ptx.select_f32(Int32(lane < lanes.pass_lanes), sp, Float32(0.0))
-                ss = ss + sp
-            rstd = rope.rms_scale(warp_sum(ss), 1.0 / head_dim, qk_eps)
-            for i in cutlass.range_constexpr(e):
-                x1[i] = x1[i] * rstd * norm_w[0][i]
-                x2[i] = x2[i] * rstd * norm_w[1][i]
-            for i in cutlass.range_constexpr(lanes.pass_e):
-                xp[i] = xp[i] * rstd * norm_w[2][i]
-        if cutlass.const_expr(has_rope):
-            c = tok[it][1]
-            s = tok[it][2]
-            for i in cutlass.range_constexpr(e):
-                x1[i], x2[i] = rope.rope_neox(x1[i], x2[i], c[i], s[i])
-        o2 = None
-        if cutlass.const_expr(lanes.interleaved):
-            o1 = ldst.pack_bf16_run(rope.interleave(x1, x2))
-        else:
-            o1 = ldst.pack_bf16_run(x1)
-            o2 = ldst.pack_bf16_run(x2)
-        op = None
-        if cutlass.const_expr(lanes.pass_e > 0):
-            op = ldst.pack_bf16_run(xp)
-        outs.append((o1, o2, op))
-    for it in cutlass.range_constexpr(token_iters):
-        n = warp + it * warps
-        o1, o2, op = outs[it]
-        if n < m:
-            if head < q_heads:
-                dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * Q_EB
-                _store_head(dst, o1, o2, op, lane, d, dp, lanes, Q_EB)
+    # Tokens in groups: the values of every token of a group first (no branch: a token >= M reads
+    # row min(n, M - 1) and is not stored), then the group's stores of tokens < M. More than two
+    # tokens per warp (the streaming design's 32 / 64-token tiles) form one group, so the tokens'
+    # reductions and RoPE overlap; up to two go one at a time (the cluster design's registers).
+    group = token_iters if token_iters > 2 else 1
+    for g0 in cutlass.range_constexpr(0, token_iters, group):
+        outs = []
+        for it in cutlass.range_constexpr(g0, g0 + group):
+            n = cutlass.max(cutlass.min(warp + it * warps, m - 1), 0)
+            row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
+            if cutlass.const_expr(lanes.interleaved):
+                x1, x2 = rope.deinterleave(ldst.lds_bf16_run(row + d * 2, 2 * e))
             else:
-                dst = cache_addr(k_cache, tok[it][0], head - q_heads, d, block_size, stride_block,
-                                 stride_token, stride_head, kv_eb)
-                if dst != Int64(0):
-                    if cutlass.const_expr(kv_fp8):
-                        if kv_scale.fast():   # uniform: the same scale in every thread
-                            _store_e4m3_head(dst, o1, o2, op, kv_scale, True, lane, d, dp, lanes)
+                x1 = ldst.lds_bf16_run(row + d * 2, e)
+                x2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
+            xp = []
+            if cutlass.const_expr(lanes.pass_e > 0):
+                xp = ldst.lds_bf16_run(row + dp * 2, lanes.pass_e)
+            if cutlass.const_expr(has_qk_norm):
+                ss = Float32(0.0)
+                for i in cutlass.range_constexpr(e):
+                    ss = ss + x1[i] * x1[i] + x2[i] * x2[i]
+                if cutlass.const_expr(lanes.pair_lanes < 32):
+                    ss = ptx.select_f32(Int32(lane < lanes.pair_lanes), ss, Float32(0.0))
+                if cutlass.const_expr(lanes.pass_e > 0):
+                    sp = Float32(0.0)
+                    for i in cutlass.range_constexpr(lanes.pass_e):
+                        sp = sp + xp[i] * xp[i]
+                    if cutlass.const_expr(lanes.pass_lanes < 32):
+                        sp = ptx.select_f32(Int32(lane < lanes.pass_lanes), sp, Float32(0.0))
+                    ss = ss + sp
+                rstd = rope.rms_scale(warp_sum(ss), 1.0 / head_dim, qk_eps)
+                for i in cutlass.range_constexpr(e):
+                    x1[i] = x1[i] * rstd * norm_w[0][i]
+                    x2[i] = x2[i] * rstd * norm_w[1][i]
+                for i in cutlass.range_constexpr(lanes.pass_e):
+                    xp[i] = xp[i] * rstd * norm_w[2][i]
+            if cutlass.const_expr(has_rope):
+                c = tok[it][1]
+                s = tok[it][2]
+                for i in cutlass.range_constexpr(e):
+                    x1[i], x2[i] = rope.rope_neox(x1[i], x2[i], c[i], s[i])
+            o2 = None
+            if cutlass.const_expr(lanes.interleaved):
+                o1 = ldst.pack_bf16_run(rope.interleave(x1, x2))
+            else:
+                o1 = ldst.pack_bf16_run(x1)
+                o2 = ldst.pack_bf16_run(x2)
+            op = None
+            if cutlass.const_expr(lanes.pass_e > 0):
+                op = ldst.pack_bf16_run(xp)
+            outs.append((o1, o2, op, cache_row(tok[it][0], block_size, stride_block, stride_token)))
+        for it in cutlass.range_constexpr(g0, g0 + group):
+            n = warp + it * warps
+            o1, o2, op, krow = outs[it - g0]
+            if n < m:
+                if head < q_heads:
+                    dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * Q_EB
+                    _store_head(dst, o1, o2, op, lane, d, dp, lanes, Q_EB)
+                else:
+                    dst = cache_addr(k_cache, krow, head - q_heads, d, stride_head, kv_eb)
+                    if dst != Int64(0):
+                        if cutlass.const_expr(kv_fp8):
+                            if kv_scale.fast():   # uniform: the same scale in every thread
+                                _store_e4m3_head(dst, o1, o2, op, kv_scale, True, lane, d, dp, lanes)
+                            else:
+                                _store_e4m3_head(dst, o1, o2, op, kv_scale, False, lane, d, dp, lanes)
                         else:
-                            _store_e4m3_head(dst, o1, o2, op, kv_scale, False, lane, d, dp, lanes)
-                    else:
-                        _store_head(dst, o1, o2, op, lane, d, dp, lanes, kv_eb)
+                            _store_head(dst, o1, o2, op, lane, d, dp, lanes, kv_eb)
 
 
 @cute.jit
@@ -335,7 +344,7 @@ def finish_v(
             else:
                 w1 = ldst.lds_words_run(row + d * 2, e)
                 w2 = ldst.lds_words_run(row + (d + half) * 2, e)
-            dst = cache_addr(v_cache, tok[it][0], kv_head, d, block_size, stride_block, stride_token,
+            dst = cache_addr(v_cache, cache_row(tok[it][0], block_size, stride_block, stride_token), kv_head, d,
                              stride_head, kv_eb)
             if cutlass.const_expr(lanes.v_lanes < 32):
                 if lane >= lanes.v_lanes:
