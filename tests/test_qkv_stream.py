@@ -63,6 +63,28 @@ def test_plan_closed_forms_match_brute_force(hidden, d, heads, ctas, mm):
     assert 2 <= p.ring_stages <= sp.MAX_STAGES and p.smem_bytes <= sp.SMEM_PER_CTA_MAX
 
 
+@pytest.mark.parametrize("hidden, d, heads, ctas, mm", PLANS)
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_merge_rounds(hidden, d, heads, ctas, mm, prefetch):
+    """A merge round loads merge_ntiles n-tiles of every contributor: a divisor of the tile's n-tiles (the
+    template's rounds cover them exactly), within merge_floats loads per thread, and the largest such;
+    one n-tile past 6 contributors and on the register path."""
+    if prefetch and hidden // 64 < prefetch:
+        return
+    p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, prefetch=prefetch)
+    n_tiles, k = mm // 8, p.merge_ntiles
+    assert n_tiles % k == 0 and 1 <= k <= n_tiles
+    if prefetch or p.max_contributors > 6:
+        assert k == 1 and p.merge_floats == (sp.MERGE_FLOATS_REGISTER_PATH if prefetch else sp.MERGE_FLOATS)
+        return
+    assert k == 1 or 4 * p.max_contributors * k <= p.merge_floats
+    bigger = [n for n in range(k + 1, n_tiles + 1) if n_tiles % n == 0]
+    assert all(4 * p.max_contributors * n > p.merge_floats for n in bigger)
+    # hidden 4096, 48 heads, 64 tokens: 4 contributors per block, 4 of the 8 n-tiles per round (2 rounds)
+    if (hidden, heads, mm) == (4096, 48, 64):
+        assert (p.max_contributors, k) == (4, 4)
+
+
 def test_plan_segment_bound_is_tight():
     """A range of max_units units can touch max_segments blocks, never more."""
     for steps in (1, 2, 5, 14, 64):
