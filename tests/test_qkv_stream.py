@@ -22,7 +22,7 @@ import torch
 from flintgen.configs import qkv_stream_plan as sp
 from flintgen.kernels.base import Target
 from flintgen.kernels.qkv import QKVDef, QKVOp
-from flintgen.kernels.qkv_stream import REQUIRED_PTX, StreamConfig, args_of, plan_of
+from flintgen.kernels.qkv_stream import MMA_PTX, REQUIRED_PTX, WGMMA_PTX, StreamConfig, args_of, plan_of
 from flintgen.presets import FLINT
 
 KDEF = QKVDef()
@@ -199,6 +199,24 @@ def test_register_path_refusals():
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, prefetch=4, ctas_per_sm=4)
 
 
+def test_wgmma_plan_and_refusals():
+    """wgmma stages hold unpadded core matrices; it takes the ring, one tile per warp and 64-row multiples."""
+    from flintgen.device import wgmma
+
+    p = sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=6, wgmma=True)
+    assert p.stage_bytes == (128 + 64) * 128 == wgmma.core_offset(128 + 64, 0)
+    assert sp.StreamPlan(hidden=2880, head_dim=64, heads=80, ctas=132, max_m=16, wgmma=True).warps == 4
+    # the core-matrix layout: each of a row's 8 chunks and each row once, within the operand
+    offs = {wgmma.core_offset(r, c) for r in range(64) for c in range(8)}
+    assert offs == set(range(0, 64 * 128, 16))
+    with pytest.raises(ValueError, match=r"wgmma takes the ring path \(prefetch = 2 must be 0\)"):
+        StreamConfig(prefetch=2, wgmma=True)
+    with pytest.raises(ValueError, match=r"one 16-row tile per warp \(warp_tiles = 2\)"):
+        StreamConfig(warp_tiles=2, wgmma=True)
+    with pytest.raises(ValueError, match=r"head_dim 96: 96\): use the mma.sync ring \(wgmma=False\)"):
+        sp.StreamPlan(hidden=3072, head_dim=96, heads=48, ctas=132, max_m=16, wgmma=True)
+
+
 # ----------------------------------------------------------------- variants
 F64 = FLINT.replace(weight_format="bf16", max_tokens=64)
 
@@ -206,7 +224,10 @@ F64 = FLINT.replace(weight_format="bf16", max_tokens=64)
 def test_variant_and_template():
     v = KDEF.variant(F64, config=StreamConfig(), max_m=16, target=T132)
     assert v["design"] == "stream" and v["ctas"] == 132 and v["max_m"] == 16
-    assert KDEF.template_of(v) == "qkv_stream.py.j2" and KDEF.variant_ptx(v) == REQUIRED_PTX
+    assert KDEF.template_of(v) == "qkv_stream.py.j2" and KDEF.variant_ptx(v) == REQUIRED_PTX + (MMA_PTX,)
+    vg = KDEF.variant(F64, config=StreamConfig(wgmma=True), max_m=16, target=T132)
+    assert vg["wgmma"] is True and KDEF.variant_ptx(vg) == REQUIRED_PTX + WGMMA_PTX
+    assert "wgmma" not in dict(v.params)    # the default stays out of the params (and of older cache keys)
     cluster = KDEF.variant(F64, max_m=8)
     assert KDEF.template_of(cluster) == "qkv_gemv.py.j2" and KDEF.variant_ptx(cluster) == KDEF.required_ptx
     # the heuristic (stream_config): bf16 tiles of 16 tokens and more stream, 6 stages; NVFP4 and 8 tokens cluster
@@ -273,6 +294,27 @@ def test_stream_compiles_clean(name, max_m):
     assert ".minnctapersm 1" in ptx     # else ptxas squeezes some variants into 64 registers and spills
 
 
+WGMMA_COMPILE = [("flint_bf16", 8), ("bf16_4096", 64), ("oss_bf16", 32), ("h16384_bf16", 16), ("oss_bf16_fp8", 64)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m", WGMMA_COMPILE, ids=[f"{n}-M{m}" for n, m in WGMMA_COMPILE])
+def test_stream_wgmma_compiles_clean(name, max_m):
+    from decode_attention_cases import check_compiled
+
+    from flintgen.runtime import load_variant
+
+    spec = _spec(name)
+    v = KDEF.variant(spec, config=WGMMA, max_m=max_m, target=T132)
+    load_variant(KDEF, spec, v, T132)
+    res, ptx = check_compiled(KDEF, spec, v, T132)
+    p = KDEF.render_params(spec, v)
+    # each segment's unit: 4 k16 steps of m64n{max_m}k16, waited on once; no mma.sync
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4
+    assert ptx.count("wgmma.wait_group.sync.aligned 0") == p["max_segments"]
+    assert "mma.sync" not in ptx
+
+
 # ----------------------------------------------------------------- GPU
 def _op(spec, cfg=StreamConfig()):
     from flintgen import toolchain
@@ -324,6 +366,30 @@ def _numerics_spec(op, name, m):
     key = f"{name}_t64s"
     SPECS.setdefault(key, _spec(name))
     _numerics(op, key, m, max(1, m - 1 - m // 8))
+
+
+WGMMA = StreamConfig(stages=6, wgmma=True)
+# every token tile (8..64 tokens: n8..n64), head dims 64 (one warpgroup), 128 and 256 (two blocks per head)
+WGMMA_CASES = [("bf16_4096", 1), ("bf16_4096", 16), ("bf16_4096", 33), ("bf16_4096", 64), ("oss_bf16", 9),
+               ("oss_bf16", 64), ("flint_bf16", 40), ("h16384_bf16", 17), ("glm4", 63)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m", WGMMA_CASES, ids=[f"{n}-M{m}" for n, m in WGMMA_CASES])
+def test_stream_wgmma_numerics(name, m):
+    op = _stream_op(name, WGMMA)
+    _numerics_spec(op, name, m)
+    _counters_zero(op)
+
+
+@pytest.mark.gpu
+def test_stream_wgmma_fp8_cache_bit_exact():
+    from test_qkv_fp8 import Pair
+
+    spec_b, spec8 = _spec("oss_bf16"), _spec("oss_bf16").replace(kv_cache_dtype="fp8_e4m3")
+    p = Pair("oss_bf16", 48, seed=348, spec_b=spec_b, spec8=spec8, op_b=_op(spec_b, WGMMA), op8=_op(spec8, WGMMA))
+    p.run().check("stream wgmma oss_bf16 M=48")
+    _counters_zero(p.op8)
 
 
 # (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens), two 16-row tiles per warp and
@@ -461,6 +527,10 @@ def gpu_variants(target):
         spec = _ring_spec(mt)[1]
         todo += [(KDEF, spec, KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=d))
                  for tile in token_tiles(mt) for d in (False, True)]
+    for name in sorted({n for n, _ in WGMMA_CASES}):
+        for spec in (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if name == "oss_bf16" else ()):
+            todo += [(KDEF, spec, KDEF.variant(spec, config=WGMMA, max_m=tile, target=target, debug=d))
+                     for tile in TOKEN_TILES for d in (False, True)]
     for name in names:
         for spec in (_spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")):
             if spec.kv_cache_dtype == "fp8_e4m3" and name not in dict(FP8):

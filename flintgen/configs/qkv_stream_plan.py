@@ -25,7 +25,11 @@ copy paths bring the weights:
   unit's weight rows and xn's 64 values of every token, filled by
   ``cp.async`` (16-byte pieces, ``stages - 1`` units in flight). Shared rows
   are padded to ``ROW_STRIDE`` bytes, so the 8 rows of a 16-byte access
-  phase land on distinct banks.
+  phase land on distinct banks. With ``wgmma``, a stage holds both operands
+  as wgmma's core matrices (flintgen.device.wgmma, 128 bytes per row, no
+  padding) and each warpgroup multiplies 64 of the block's rows with every
+  token in ``wgmma.m64nNk16`` (N = ``max_m``), reading xn from shared memory
+  once per warpgroup instead of once per warp.
 * *registers* (``prefetch > 0``): each warp loads its own tiles' A fragments
   straight from global memory (``ld.global.nc``, 16-byte pieces), ``prefetch``
   units ahead, with no barrier per unit; xn's values of the range's K steps
@@ -52,6 +56,7 @@ MAX_CTAS_PER_SM = 4
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
 MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when merging a head (ring path)
 MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next units' weights in registers
+WARPGROUP_ROWS = 64     # rows of one wgmma (flintgen.device.wgmma.WARPGROUP_ROWS)
 
 
 @dataclass(frozen=True)
@@ -59,18 +64,20 @@ class StreamConfig:
     """Launch configuration of the streaming design: ``stages`` of the ring
     (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages),
     ``warp_tiles`` 16-row MMA tiles per warp, ``prefetch`` units in flight
-    per warp in registers (> 0: the register path, no ring; stages must be 0)
-    and ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count)."""
+    per warp in registers (> 0: the register path, no ring; stages must be 0),
+    ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count)
+    and ``wgmma`` (the ring's MMAs as warpgroup MMAs from shared memory)."""
 
     stages: int = 0
     warp_tiles: int = 1
     prefetch: int = 0
     ctas_per_sm: int = 1
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
                    warp_tiles=self.warp_tiles, prefetch=self.prefetch,
-                   ctas_per_sm=self.ctas_per_sm)  # range checks
+                   ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma)  # range checks
 
 
 def stream_config(weight_format: str, max_m: int) -> "StreamConfig | None":
@@ -110,6 +117,7 @@ class StreamPlan:
     warp_tiles: int = 1   # 16-row MMA tiles per warp (2: each xn fragment read from shared memory feeds two)
     prefetch: int = 0     # > 0: the register path, units in flight per warp
     ctas_per_sm: int = 1  # CTAs resident per SM: the grid is ctas x ctas_per_sm (at most one per unit)
+    wgmma: bool = False   # the ring's MMAs as wgmma.m64nNk16 from shared memory (a warpgroup per 64 rows)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -137,6 +145,11 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} has {self.steps} K steps, fewer than "
                              f"prefetch = {self.prefetch} (a group of prefetched units spans at most two "
                              "blocks): prefetch fewer units")
+        if self.wgmma and (self.prefetch or self.warp_tiles != 1 or self.block_rows % WARPGROUP_ROWS):
+            raise ValueError(f"StreamPlan: wgmma takes the ring path (prefetch = {self.prefetch} must be 0), one "
+                             f"16-row tile per warp (warp_tiles = {self.warp_tiles}) and blocks of a multiple of "
+                             f"{WARPGROUP_ROWS} rows (head_dim {self.head_dim}: {self.block_rows}): use the "
+                             "mma.sync ring (wgmma=False) for this shape")
         if not 1 <= self.ctas_per_sm <= MAX_CTAS_PER_SM:
             raise ValueError(f"StreamPlan: ctas_per_sm = {self.ctas_per_sm} must be 1..{MAX_CTAS_PER_SM}")
         if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
@@ -252,8 +265,9 @@ class StreamPlan:
     # ------------------------------------------------------------ shared memory
     @property
     def stage_bytes(self) -> int:
-        """One unit: ``block_rows`` weight rows, then ``max_m`` xn rows, each ROW_STRIDE bytes."""
-        return (self.block_rows + self.max_m) * ROW_STRIDE
+        """One unit: ``block_rows`` weight rows, then ``max_m`` xn rows, each ROW_STRIDE bytes (wgmma:
+        K_STEP values, unpadded core matrices)."""
+        return (self.block_rows + self.max_m) * (K_STEP * 2 if self.wgmma else ROW_STRIDE)
 
     @property
     def head_rows_bytes(self) -> int:

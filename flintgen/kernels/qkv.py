@@ -153,7 +153,7 @@ class QKVDef(KernelDef):
 
     def variant_ptx(self, variant: Variant) -> tuple[str, ...]:
         """What ``variant``'s design needs in its PTX."""
-        return qkv_stream.REQUIRED_PTX if qkv_stream.is_stream(variant) else self.required_ptx
+        return qkv_stream.required_ptx(variant) if qkv_stream.is_stream(variant) else self.required_ptx
 
     def template_of(self, variant: Variant) -> str:
         return qkv_stream.TEMPLATE if qkv_stream.is_stream(variant) else self.template

@@ -22,9 +22,15 @@ from flintgen.spec import Spec
 TEMPLATE = "qkv_stream.py.j2"
 DESIGN = "stream"
 # What the design needs in every variant's PTX (tests/test_compile.py).
-REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait",
-                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
+REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "cp.async.cg.shared.global",
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
+MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+WGMMA_PTX = ("wgmma.mma_async.sync.aligned", "fence.proxy.async.shared::cta", "wgmma.wait_group.sync.aligned")
+
+
+def required_ptx(v: Variant) -> tuple[str, ...]:
+    """What a streaming variant's PTX must hold: the design's instructions and its MMA's."""
+    return REQUIRED_PTX + (WGMMA_PTX if dict(v.params).get("wgmma") else (MMA_PTX,))
 
 
 def is_stream(v: Variant) -> bool:
@@ -63,7 +69,8 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
 def plan_of(p: Mapping[str, Any]) -> StreamPlan:
     return StreamPlan(hidden=p["hidden"], head_dim=p["head_dim"], heads=p["q_heads"] + 2 * p["kv_heads"],
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
-                      prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1))
+                      prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
+                      wgmma=p.get("wgmma", False))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -76,7 +83,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              qk_norm=spec.qk_norm, norm_offset=spec.norm_weight_offset if spec.qk_norm else 0, debug=debug,
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
-    for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1)):
+    for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     plan_of(p)   # raises where the shape does not fit
@@ -96,7 +103,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
-        "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "xn_slots": plan.xn_slots,
+        "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,

@@ -1,0 +1,84 @@
+"""Warpgroup MMA (``wgmma``, sm_90a) of the streaming QKV GEMV: a unit's
+weight rows (A, the MMA's M) and xn's tokens (B, its N) both read by the
+tensor cores straight from shared memory, so no warp re-reads xn.
+
+Provenance: written for flintgen's streaming QKV GEMV (PTX ISA, "Asynchronous
+Warpgroup Level Matrix Multiply-Accumulate"; descriptor fields as CUTLASS's
+``GmmaDescriptor``).
+
+Shared layout of one operand of ``R`` rows (R % 8 == 0) and a unit's 64 K
+values, K-major without swizzle: 8 x 8 *core matrices* (8 rows x 16 bytes,
+128 contiguous bytes), the 8 core matrices of 8 rows side by side in K::
+
+    byte (r // 8) * SBO + c * LBO + (r % 8) * 16   holds row r's values [8 c, 8 c + 8)
+    LBO = 128   (the next 8 K values)      SBO = 1024   (the next 8 rows)
+
+A k16 step ``kk`` of the unit starts ``kk * 2 * LBO`` bytes in. Accumulators
+of ``m64nNk16`` (N = tokens, fp32): thread (warp w of the warpgroup, g =
+lane / 4, t = lane % 4) holds ``d[4 nt + j]`` = row ``16 w + g + 8 (j // 2)``,
+token ``8 nt + 2 t + j % 2``: the layout of ``mma.sync.m16n8k16``'s C of the
+warp's 16-row tile over the n-tiles (flintgen.device.gemv), so partials,
+merge and epilogue are shared with the mma.sync path.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from flintgen.configs.qkv_stream_plan import K_STEP, WARPGROUP_ROWS  # noqa: F401  (the M of one wgmma)
+from flintgen.device.ptx import _asm
+
+CORE_ROW_BYTES = 16                 # one row of a core matrix: 8 bf16
+LBO = 8 * CORE_ROW_BYTES            # bytes between core matrices adjacent in K
+SBO = K_STEP * 2 // CORE_ROW_BYTES * LBO   # bytes between core matrices adjacent in rows (a unit's 64 K values)
+K16_BYTES = 2 * LBO     # a k16 step: two core matrices in K
+_LAYOUT_NO_SWIZZLE = 0
+DESC_HI = (SBO >> 4) | (_LAYOUT_NO_SWIZZLE << 30)   # bits 32..63: stride byte offset, layout type
+
+
+def core_offset(row, chunk):
+    """Byte offset of row ``row``'s 16-byte chunk ``chunk`` (values [8 chunk, 8 chunk + 8)) in an operand."""
+    return (row // 8) * SBO + chunk * LBO + (row % 8) * CORE_ROW_BYTES
+
+
+def desc_lo(addr):
+    """Bits 0..31 of a descriptor of the operand at shared address ``addr`` (Uint32, 16-byte aligned):
+    start address >> 4 (14 bits) and the leading byte offset >> 4 at bit 16."""
+    return ((addr >> 4) & 0x3FFF) | Uint32((LBO >> 4) << 16)
+
+
+@dsl_user_op
+def fence_proxy_async(*, loc=None, ip=None):
+    """Make this thread's shared-memory writes (generic proxy: st.shared, cp.async) visible to
+    the async proxy (wgmma's operand reads); a barrier after it publishes every thread's."""
+    _asm([], [], "fence.proxy.async.shared::cta;", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, *, loc=None, ip=None):
+    """``acc`` (n / 2 Float32, the layout above) += A B^T over ``ksteps`` k16 steps, A = the warpgroup's
+    64 rows at descriptor ``a_lo``, B = ``n`` tokens at ``b_lo`` (desc_lo words of their k-step-0
+    addresses), one ``wgmma.m64n{n}k16`` per step, then waited on: the accumulators are back in
+    registers and the operands free when it returns. One asm block, so nothing touches the
+    accumulator registers while the MMAs are in flight."""
+    nd = n // 2
+    assert n % 8 == 0 and 8 <= n <= 256 and len(acc) == nd
+    d = ", ".join(f"${i}" for i in range(nd))
+    a, b, one = f"${nd}", f"${nd + 1}", f"${nd + 2}"
+    body = [f"mov.b32 hi, {DESC_HI};", f"setp.ne.s32 p, {one}, 0;", "wgmma.fence.sync.aligned;"]
+    for kk in range(ksteps):
+        off = kk * K16_BYTES >> 4
+        body += [f"add.u32 lo, {a}, {off};", "mov.b64 da, {lo, hi};",
+                 f"add.u32 lo, {b}, {off};", "mov.b64 db, {lo, hi};",
+                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, da, db, p, 1, 1, 0, 0;"]
+    body += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;"]
+    asm = "{\n.reg .b64 da, db;\n.reg .b32 lo, hi;\n.reg .pred p;\n" + "\n".join(body) + "\n}"
+    ops = [Uint32(a_lo).ir_value(loc=loc, ip=ip), Uint32(b_lo).ir_value(loc=loc, ip=ip),
+           Int32(1).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
+    cons = ",".join(["=f"] * nd + ["r", "r", "r"] + [str(i) for i in range(nd)])
+    st = llvm.StructType.get_literal([T.f32()] * nd)
+    res = llvm.inline_asm(st, ops, asm, cons + ",~{memory}", has_side_effects=True,
+                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(nd)]
