@@ -110,8 +110,8 @@ def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_s
 
 def cache_row(slot, block_size, stride_block, stride_token):
     """Element offset of a slot's token row in a cache view (``blk * stride_block
-    + off * stride_token``), or -1 for a negative slot: branch-free, so in
-    finish_qk's values pass the tokens' 64-bit divisions overlap."""
+    + off * stride_token``), or -1 for a negative slot: branch-free, so a
+    group's 64-bit divisions overlap."""
     live = Int64(Int32(slot >= Int64(0)))
     s = slot * live
     blk = s // Int64(block_size)
@@ -287,10 +287,18 @@ def finish_qk(
             op = None
             if cutlass.const_expr(lanes.pass_e > 0):
                 op = ldst.pack_bf16_run(xp)
-            outs.append((o1, o2, op, cache_row(tok[it][0], block_size, stride_block, stride_token)))
+            outs.append((o1, o2, op))
+        # the k head's cache rows (a 64-bit division per token, independent of each other); q heads skip them
+        krows = cute.make_rmem_tensor((group,), Int64)
+        for i in cutlass.range_constexpr(group):
+            krows[i] = Int64(-1)
+        if head >= q_heads:
+            for it in cutlass.range_constexpr(g0, g0 + group):
+                krows[it - g0] = cache_row(tok[it][0], block_size, stride_block, stride_token)
         for it in cutlass.range_constexpr(g0, g0 + group):
             n = warp + it * warps
-            o1, o2, op, krow = outs[it - g0]
+            o1, o2, op = outs[it - g0]
+            krow = krows[it - g0]
             if n < m:
                 if head < q_heads:
                     dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * Q_EB
