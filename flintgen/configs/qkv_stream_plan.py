@@ -145,6 +145,9 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} has {self.steps} K steps, fewer than "
                              f"prefetch = {self.prefetch} (a group of prefetched units spans at most two "
                              "blocks): prefetch fewer units")
+        if self.wgmma and self.stages == 2:
+            raise ValueError("StreamPlan: wgmma keeps a unit's MMAs in flight past the next unit's barrier: "
+                             "stages = 2 must be at least 3")
         if self.wgmma and (self.prefetch or self.warp_tiles != 1 or self.block_rows % WARPGROUP_ROWS):
             raise ValueError(f"StreamPlan: wgmma takes the ring path (prefetch = {self.prefetch} must be 0), one "
                              f"16-row tile per warp (warp_tiles = {self.warp_tiles}) and blocks of a multiple of "

@@ -56,13 +56,27 @@ def fence_proxy_async(*, loc=None, ip=None):
     _asm([], [], "fence.proxy.async.shared::cta;", side_effects=True, loc=loc, ip=ip)
 
 
+def _tied_asm(acc, inputs, asm, loc, ip):
+    """``asm`` with the accumulators ``acc`` (Float32) as $0.. in and out (tied), then ``inputs``
+    ((DSL type, value) pairs, 32-bit). Returns the accumulators as the asm leaves them."""
+    nd = len(acc)
+    ops = [ty(v).ir_value(loc=loc, ip=ip) for ty, v in inputs] + [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
+    cons = ",".join(["=f"] * nd + ["r"] * len(inputs) + [str(i) for i in range(nd)])
+    st = llvm.StructType.get_literal([T.f32()] * nd)
+    res = llvm.inline_asm(st, ops, asm, cons + ",~{memory}", has_side_effects=True,
+                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(nd)]
+
+
 @dsl_user_op
-def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, *, loc=None, ip=None):
+def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, wait: "int | None" = 0, *, loc=None, ip=None):
     """``acc`` (n / 2 Float32, the layout above) += A B^T over ``ksteps`` k16 steps, A = the warpgroup's
     64 rows at descriptor ``a_lo``, B = ``n`` tokens at ``b_lo`` (desc_lo words of their k-step-0
-    addresses), one ``wgmma.m64n{n}k16`` per step, then waited on: the accumulators are back in
-    registers and the operands free when it returns. One asm block, so nothing touches the
-    accumulator registers while the MMAs are in flight."""
+    addresses): one ``wgmma.m64n{n}k16`` per step, committed as one group, then ``wait``:
+    ``wgmma.wait_group wait`` (0: the accumulators are final and the operands free on return), or
+    None: still in flight (the caller waits with ``wait_group`` before reading them or reusing the
+    operands' shared memory). The accumulators are the asm's tied operands, so nothing else is
+    placed in their registers between the MMAs and the wait."""
     nd = n // 2
     assert n % 8 == 0 and 8 <= n <= 256 and len(acc) == nd
     d = ", ".join(f"${i}" for i in range(nd))
@@ -73,12 +87,15 @@ def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, *, loc=None, ip=None):
         body += [f"add.u32 lo, {a}, {off};", "mov.b64 da, {lo, hi};",
                  f"add.u32 lo, {b}, {off};", "mov.b64 db, {lo, hi};",
                  f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, da, db, p, 1, 1, 0, 0;"]
-    body += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;"]
+    body.append("wgmma.commit_group.sync.aligned;")
+    if wait is not None:
+        body.append(f"wgmma.wait_group.sync.aligned {int(wait)};")
     asm = "{\n.reg .b64 da, db;\n.reg .b32 lo, hi;\n.reg .pred p;\n" + "\n".join(body) + "\n}"
-    ops = [Uint32(a_lo).ir_value(loc=loc, ip=ip), Uint32(b_lo).ir_value(loc=loc, ip=ip),
-           Int32(1).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
-    cons = ",".join(["=f"] * nd + ["r", "r", "r"] + [str(i) for i in range(nd)])
-    st = llvm.StructType.get_literal([T.f32()] * nd)
-    res = llvm.inline_asm(st, ops, asm, cons + ",~{memory}", has_side_effects=True,
-                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(nd)]
+    return _tied_asm(acc, [(Uint32, a_lo), (Uint32, b_lo), (Int32, 1)], asm, loc, ip)
+
+
+@dsl_user_op
+def wait_group(acc, pending: int, *, loc=None, ip=None):
+    """``wgmma.wait_group pending``: at most ``pending`` of this warp's committed groups still in
+    flight. ``acc``: the accumulators of those groups (tied through, so their reads follow the wait)."""
+    return _tied_asm(acc, [], f"wgmma.wait_group.sync.aligned {int(pending)};", loc, ip)
