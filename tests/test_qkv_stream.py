@@ -206,9 +206,14 @@ def test_wgmma_plan_and_refusals():
     p = sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=6, wgmma=True)
     assert p.stage_bytes == (128 + 64) * 128 == wgmma.core_offset(128 + 64, 0)
     assert sp.StreamPlan(hidden=2880, head_dim=64, heads=80, ctas=132, max_m=16, wgmma=True).warps == 4
-    # the core-matrix layout: each of a row's 8 chunks and each row once, within the operand
-    offs = {wgmma.core_offset(r, c) for r in range(64) for c in range(8)}
-    assert offs == set(range(0, 64 * 128, 16))
+    # the 128-byte swizzle: each chunk of each row once, in the row's own 128 bytes; the 8 rows of an atom
+    # put a chunk in 8 distinct 16-byte bank groups; atoms fill whole 1024-byte units
+    offs = [wgmma.core_offset(r, c) for r in range(64) for c in range(8)]
+    assert sorted(offs) == list(range(0, 64 * 128, 16)) and all(o // 128 == i // 8 for i, o in enumerate(offs))
+    assert all(len({wgmma.core_offset(r, c) % 128 for r in range(8 * a, 8 * a + 8)}) == 8
+               for c in range(8) for a in range(8))
+    assert sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=24, stages=6, wgmma=True).stage_bytes \
+        % wgmma.ATOM_ALIGN == 0
     with pytest.raises(ValueError, match=r"wgmma takes the ring path \(prefetch = 2 must be 0\)"):
         StreamConfig(prefetch=2, wgmma=True)
     with pytest.raises(ValueError, match=r"one 16-row tile per warp \(warp_tiles = 2\)"):

@@ -86,26 +86,21 @@ def issue_rows(stage, src0, src_pitch: int, first_row: int, n_rows: int, tid, th
     into ``stage`` rows ``first_row + i`` where ``enable`` (Int32) is nonzero;
     thread ``tid`` takes pieces tid, tid + threads, ..; rows ``i >= live_rows``
     (Int32 >= 1; None: all live) are zero-filled, addressed at row
-    ``live_rows - 1`` (nothing is read). ``core_matrices``: the wgmma layout
-    (flintgen.device.wgmma.core_offset; first_row and n_rows multiples of 8),
-    8 consecutive pieces filling one core matrix's 128 contiguous bytes; else
-    rows at ROW_STRIDE pitch."""
+    ``live_rows - 1`` (nothing is read). ``core_matrices``: wgmma's swizzled
+    layout (flintgen.device.wgmma.core_offset; first_row a multiple of 8),
+    else rows at ROW_STRIDE pitch."""
     pieces = n_rows * ROW_PIECES
     for k in range(-(-pieces // threads)):
         q = tid + k * threads
-        if core_matrices:
-            i = q % 8 + 8 * (q // (8 * ROW_PIECES))
-            c = (q // 8) % ROW_PIECES
-        else:
-            i = q // ROW_PIECES
-            c = q % ROW_PIECES
+        i = q // ROW_PIECES
+        c = q % ROW_PIECES
         issue = enable if (k + 1) * threads <= pieces else enable * Int32(q < pieces)
         fill, src_row = Int32(1), i
         if live_rows is not None:
             fill = Int32(i < live_rows)
             src_row = cutlass.min(i, live_rows - 1)
         if core_matrices:
-            dst = stage + Int32(wgmma.core_offset(first_row, 0) + wgmma.core_offset(i, c))
+            dst = stage + Int32(wgmma.core_offset(first_row + i, c))
         else:
             dst = stage + Int32((first_row + i) * ROW_STRIDE + c * 16)
         cp_async_16(dst, src0 + Int64(src_row) * src_pitch + Int64(c * 16), issue, fill)

@@ -30,23 +30,25 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from flintgen.configs.qkv_stream_plan import K_STEP, WARPGROUP_ROWS  # noqa: F401  (the M of one wgmma)
 from flintgen.device.ptx import _asm
 
-CORE_ROW_BYTES = 16                 # one row of a core matrix: 8 bf16
-LBO = 8 * CORE_ROW_BYTES            # bytes between core matrices adjacent in K
-SBO = K_STEP * 2 // CORE_ROW_BYTES * LBO   # bytes between core matrices adjacent in rows (a unit's 64 K values)
-K16_BYTES = 2 * LBO     # a k16 step: two core matrices in K
-_LAYOUT_NO_SWIZZLE = 0
-DESC_HI = (SBO >> 4) | (_LAYOUT_NO_SWIZZLE << 30)   # bits 32..63: stride byte offset, layout type
+ROW_BYTES = K_STEP * 2             # a row of a unit: one 128-byte swizzle row
+CHUNK_BYTES = 16                    # 8 bf16
+SBO = 8 * ROW_BYTES                 # bytes between 8-row groups (one swizzle atom)
+ATOM_ALIGN = SBO                    # the swizzle is of address bits: atoms at 1024-byte boundaries
+K16_BYTES = 16 * 2                  # a k16 step along a row
+_LBO_UNUSED = 1                     # K-major swizzled: one atom spans the unit's K
+_LAYOUT_SWIZZLE_128B = 1
+DESC_HI = (SBO >> 4) | (_LAYOUT_SWIZZLE_128B << 30)   # bits 32..63: stride byte offset, layout type
 
 
 def core_offset(row, chunk):
     """Byte offset of row ``row``'s 16-byte chunk ``chunk`` (values [8 chunk, 8 chunk + 8)) in an operand."""
-    return (row // 8) * SBO + chunk * LBO + (row % 8) * CORE_ROW_BYTES
+    return row * ROW_BYTES + (chunk ^ (row % 8)) * CHUNK_BYTES
 
 
 def desc_lo(addr):
-    """Bits 0..31 of a descriptor of the operand at shared address ``addr`` (Uint32, 16-byte aligned):
-    start address >> 4 (14 bits) and the leading byte offset >> 4 at bit 16."""
-    return ((addr >> 4) & 0x3FFF) | Uint32((LBO >> 4) << 16)
+    """Bits 0..31 of a descriptor of the operand at shared address ``addr`` (Uint32, in a 1024-byte
+    aligned atom's first row): start address >> 4 (14 bits), the (unused) leading byte offset at bit 16."""
+    return ((addr >> 4) & 0x3FFF) | Uint32(_LBO_UNUSED << 16)
 
 
 @dsl_user_op
