@@ -238,6 +238,13 @@ def test_variant_and_template():
     # the heuristic (stream_config): bf16 tiles of 16 tokens and more stream, 6 stages; NVFP4 and 8 tokens cluster
     assert [dict(v.params).get("design", "cluster") for v in KDEF.variants(F64, T132)] == ["cluster"] + ["stream"] * 3
     assert all(v["stages"] == sp.STREAM_STAGES == 6 for v in KDEF.variants(F64, T132)[1:])
+    # wgmma from WGMMA_MIN_TOKENS where blocks are whole warpgroups (head_dim 96: the mma.sync ring)
+    assert [dict(v.params).get("wgmma", False) for v in KDEF.variants(F64, T132)] == [False, False, True, True]
+    d96 = _spec("d96_r24")
+    assert not any(dict(v.params).get("wgmma") for v in KDEF.variants(d96, T132))
+    assert sp.stream_config("bf16", 64, 96) == StreamConfig(stages=6)
+    assert sp.stream_config("bf16", 32, 256) == StreamConfig(stages=6, wgmma=True)
+    assert sp.stream_config("nvfp4", 64, 128) is None and sp.stream_config("bf16", 8, 128) is None
     assert {dict(v.params).get("design") for v in KDEF.variants(FLINT.replace(max_tokens=64), T132)} == {None}
     p = KDEF.render_params(F64, v)
     assert p["grid"] == 132 and p["stages"] == plan_of(dict(v.params)).ring_stages
@@ -444,14 +451,15 @@ def test_stream_fp8_cache_bit_exact(name, m):
 
 
 @pytest.mark.gpu
-def test_stream_graph_replay_with_changed_inputs():
+@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
+def test_stream_graph_replay_with_changed_inputs(wg):
     """A graph captured per token tile replays with new x / weights / positions
     in place and matches eager calls on the same inputs (counters reset
     inside the graph: every replay sees zeros)."""
     from test_qkv import Case
 
     spec = _spec("bf16_4096")
-    op = _stream_op("bf16_4096")
+    op = _stream_op("bf16_4096", WGMMA if wg else StreamConfig())
     op.warmup(torch.device("cuda"))
     for m in (1, 9, 64):
         c = Case(spec, m, seed=11 + m, n_slots=m)
@@ -481,13 +489,14 @@ def test_stream_graph_replay_with_changed_inputs():
 
 
 @pytest.mark.gpu
-def test_stream_layers_back_to_back_race_free():
+@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
+def test_stream_layers_back_to_back_race_free(wg):
     """Layers launched back to back (PDL, shared workspace and counters) give
     the bits of the same layers separated by synchronizations."""
     from test_qkv import Case
 
     spec = _spec("flint_bf16")
-    op = _stream_op("flint_bf16")
+    op = _stream_op("flint_bf16", WGMMA if wg else StreamConfig())
     layers = [Case(spec, 33, seed=70 + i, n_slots=33) for i in range(5)]
     for i, c in enumerate(layers):
         c.slots = torch.arange(33 * i, 33 * i + 33, device="cuda") % (6 * 16)

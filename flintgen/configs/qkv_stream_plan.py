@@ -51,6 +51,7 @@ MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled p
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
 STREAM_STAGES = 6       # ring depth the heuristic picks (StreamConfig)
+WGMMA_MIN_TOKENS = 32   # token tiles from which the heuristic's ring multiplies with wgmma
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
@@ -80,30 +81,25 @@ class StreamConfig:
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma)  # range checks
 
 
-def stream_config(weight_format: str, max_m: int) -> "StreamConfig | None":
+def stream_config(weight_format: str, max_m: int, head_dim: int) -> "StreamConfig | None":
     """The streaming design's configuration for the token tile ``max_m`` of a
     spec, or None where the tile runs the cluster design
     (flintgen.configs.qkv_config.QKVConfig).
 
     Measured on an H200 (benchmarks/results/qkv_stream.md, GEMV alone and
     the whole step, CUDA-graph replay, weights rotating beyond L2): bf16
-    tiles of 16 tokens and more stream, with STREAM_STAGES = 6 (the default
-    11 stages that fill shared memory: 0.2-1.3 us slower, no co-residency
-    with the RMSNorm kernel under PDL; two 16-row tiles per warp: slower at
-    every M). Hidden 4096 32/8: step 18.96 / 22.13 / 32.12 us at M = 16 /
-    32 / 64 against the cluster design's 21.88 / 28.00 / 50.24; flint-bf16
-    14.09 / 21.36 against 14.79 / 26.67 at M = 32 / 64 (M = 16: 10.85 vs
-    10.64, a tie). The 8-token tile stays on the cluster design (M = 1..8:
-    8.1-8.6 vs 9.2-9.7 us flint-bf16, 16.0-16.9 vs 16.9-17.3 hidden 4096).
-    NVFP4 weights keep the cluster design (its dequantization in registers;
-    the streaming template takes bf16 only). The register path
-    (StreamConfig.prefetch) is not selected: with row-major weights it is
-    slower than the ring and the cluster design at M = 1 / 8
-    (benchmarks/results/qkv_stream_register_path.md: 54-71 % of the floor;
-    why: benchmarks/results/weight_read_probe.md)."""
+    tiles of 16 tokens and more stream with STREAM_STAGES = 6; from
+    WGMMA_MIN_TOKENS tokens with warpgroup MMAs where a block is a multiple
+    of 64 rows (head_dim 64, 128, 256), the mma.sync ring otherwise.
+    The 8-token tile and NVFP4 weights keep the cluster design (its
+    dequantization in registers; the streaming template takes bf16 only).
+    The register path (StreamConfig.prefetch) is not selected: slower than
+    the ring and the cluster design at M = 1 / 8
+    (benchmarks/results/qkv_stream_register_path.md)."""
     if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
         return None
-    return StreamConfig(stages=STREAM_STAGES)
+    block_rows = min(head_dim, MAX_BLOCK_ROWS)
+    return StreamConfig(stages=STREAM_STAGES, wgmma=max_m >= WGMMA_MIN_TOKENS and block_rows % WARPGROUP_ROWS == 0)
 
 
 @dataclass(frozen=True)
