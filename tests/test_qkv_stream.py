@@ -237,13 +237,13 @@ def test_variant_and_template():
     assert KDEF.template_of(cluster) == "qkv_gemv.py.j2" and KDEF.variant_ptx(cluster) == KDEF.required_ptx
     # the heuristic (stream_config): bf16 tiles of 16 tokens and more stream, 6 stages; NVFP4 and 8 tokens cluster
     assert [dict(v.params).get("design", "cluster") for v in KDEF.variants(F64, T132)] == ["cluster"] + ["stream"] * 3
-    assert all(v["stages"] == sp.STREAM_STAGES == 6 for v in KDEF.variants(F64, T132)[1:])
-    # wgmma from WGMMA_MIN_TOKENS where blocks are whole warpgroups (head_dim 96: the mma.sync ring)
-    assert [dict(v.params).get("wgmma", False) for v in KDEF.variants(F64, T132)] == [False, False, True, True]
+    # wgmma where blocks are whole warpgroups (head_dim 96: the mma.sync ring), 8 stages below 64 tokens
+    assert [(v["stages"], v["wgmma"]) for v in KDEF.variants(F64, T132)[1:]] == [(8, True), (8, True), (6, True)]
     d96 = _spec("d96_r24")
     assert not any(dict(v.params).get("wgmma") for v in KDEF.variants(d96, T132))
-    assert sp.stream_config("bf16", 64, 96) == StreamConfig(stages=6)
-    assert sp.stream_config("bf16", 32, 256) == StreamConfig(stages=6, wgmma=True)
+    assert sp.stream_config("bf16", 64, 96) == sp.stream_config("bf16", 16, 96) == StreamConfig(stages=6)
+    assert sp.stream_config("bf16", 32, 256) == StreamConfig(stages=8, wgmma=True)
+    assert sp.stream_config("bf16", 64, 64) == StreamConfig(stages=6, wgmma=True)
     assert sp.stream_config("nvfp4", 64, 128) is None and sp.stream_config("bf16", 8, 128) is None
     assert {dict(v.params).get("design") for v in KDEF.variants(FLINT.replace(max_tokens=64), T132)} == {None}
     p = KDEF.render_params(F64, v)

@@ -50,8 +50,8 @@ MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two block
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
-STREAM_STAGES = 6       # ring depth the heuristic picks (StreamConfig)
-WGMMA_MIN_TOKENS = 32   # token tiles from which the heuristic's ring multiplies with wgmma
+STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
+STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 16 and 32 tokens
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
@@ -87,19 +87,24 @@ def stream_config(weight_format: str, max_m: int, head_dim: int) -> "StreamConfi
     (flintgen.configs.qkv_config.QKVConfig).
 
     Measured on an H200 (benchmarks/results/qkv_stream.md, GEMV alone and
-    the whole step, CUDA-graph replay, weights rotating beyond L2): bf16
-    tiles of 16 tokens and more stream with STREAM_STAGES = 6; from
-    WGMMA_MIN_TOKENS tokens with warpgroup MMAs where a block is a multiple
-    of 64 rows (head_dim 64, 128, 256), the mma.sync ring otherwise.
-    The 8-token tile and NVFP4 weights keep the cluster design (its
-    dequantization in registers; the streaming template takes bf16 only).
-    The register path (StreamConfig.prefetch) is not selected: slower than
-    the ring and the cluster design at M = 1 / 8
-    (benchmarks/results/qkv_stream_register_path.md)."""
+    the whole step, CUDA-graph replay, weights rotating beyond L2, one
+    process): bf16 tiles of 16 tokens and more stream. Where a block is a
+    multiple of 64 rows (head_dim 64, 128, 256) they multiply with wgmma,
+    8 stages at 16 / 32 tokens and 6 at 64 (hidden 2048 / 4096 32/8 steps:
+    9.68 / 17.41 us at M = 16 against 10.67 / 18.67 with the mma.sync ring,
+    11.29 / 18.56 at 32 against 13.90 / 22.06, 15.86 / 23.42 at 64 against
+    20.89 / 31.10; 6 stages at M = 16 are slower in the step, 8 at 64
+    slower); head_dim 96 keeps the mma.sync ring of 6 stages. The 8-token
+    tile stays on the cluster design (hidden 2048 step 8.51 us at M = 8
+    against 8.89 with 8 wgmma stages; hidden 4096 loses 0.8 us there) and
+    so do NVFP4 weights (dequantized in registers; the streaming template
+    takes bf16 only). The register path (StreamConfig.prefetch) is not
+    selected (benchmarks/results/qkv_stream_register_path.md)."""
     if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
         return None
-    block_rows = min(head_dim, MAX_BLOCK_ROWS)
-    return StreamConfig(stages=STREAM_STAGES, wgmma=max_m >= WGMMA_MIN_TOKENS and block_rows % WARPGROUP_ROWS == 0)
+    if min(head_dim, MAX_BLOCK_ROWS) % WARPGROUP_ROWS:
+        return StreamConfig(stages=STREAM_STAGES)
+    return StreamConfig(stages=STREAM_STAGES if max_m > 32 else STREAM_STAGES_SMALL, wgmma=True)
 
 
 @dataclass(frozen=True)
