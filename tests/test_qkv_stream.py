@@ -200,7 +200,7 @@ def test_register_path_refusals():
 
 
 def test_wgmma_plan_and_refusals():
-    """wgmma stages hold unpadded core matrices; it takes the ring, one tile per warp and 64-row multiples."""
+    """wgmma stages hold unpadded swizzled rows; it takes the ring, one tile per warp and 64-row multiples."""
     from flintgen.device import wgmma
 
     p = sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=6, wgmma=True)

@@ -26,7 +26,7 @@ copy paths bring the weights:
   ``cp.async`` (16-byte pieces, ``stages - 1`` units in flight). Shared rows
   are padded to ``ROW_STRIDE`` bytes, so the 8 rows of a 16-byte access
   phase land on distinct banks. With ``wgmma``, a stage holds both operands
-  as wgmma's core matrices (flintgen.device.wgmma, 128 bytes per row, no
+  in wgmma's 128-byte swizzle (flintgen.device.wgmma, 128 bytes per row, no
   padding) and each warpgroup multiplies 64 of the block's rows with every
   token in ``wgmma.m64nNk16`` (N = ``max_m``), reading xn from shared memory
   once per warpgroup instead of once per warp.
@@ -95,8 +95,9 @@ def stream_config(weight_format: str, max_m: int, head_dim: int) -> "StreamConfi
     11.29 / 18.56 at 32 against 13.90 / 22.06, 15.86 / 23.42 at 64 against
     20.89 / 31.10; 6 stages at M = 16 are slower in the step, 8 at 64
     slower); head_dim 96 keeps the mma.sync ring of 6 stages. The 8-token
-    tile stays on the cluster design (hidden 2048 step 8.51 us at M = 8
-    against 8.89 with 8 wgmma stages; hidden 4096 loses 0.8 us there) and
+    tile stays on the cluster design (hidden 2048: step 8.51 us at M = 8
+    against 8.89 with 8 wgmma stages; at hidden 4096 the cluster design is
+    0.3-0.8 us slower at M <= 8: one rule kept for both) and
     so do NVFP4 weights (dequantized in registers; the streaming template
     takes bf16 only). The register path (StreamConfig.prefetch) is not
     selected (benchmarks/results/qkv_stream_register_path.md)."""
@@ -270,7 +271,7 @@ class StreamPlan:
     @property
     def stage_bytes(self) -> int:
         """One unit: ``block_rows`` weight rows, then ``max_m`` xn rows, each ROW_STRIDE bytes (wgmma:
-        K_STEP values, unpadded core matrices)."""
+        K_STEP values, unpadded and swizzled)."""
         return (self.block_rows + self.max_m) * (K_STEP * 2 if self.wgmma else ROW_STRIDE)
 
     @property

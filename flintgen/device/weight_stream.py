@@ -12,6 +12,9 @@ Provenance: written for flintgen's streaming QKV GEMV.
       stage + r * ROW_STRIDE              weight row r of the block, values [64 s, 64 s + 64)
       stage + (rows + n) * ROW_STRIDE     token n of xn, the same values
 
+  or, for wgmma (``swizzled``), the same rows at 128-byte pitch in its
+  128-byte swizzle (flintgen.device.wgmma.core_offset).
+
 * Fragments (flintgen.device.gemv's K order): 16-row tile i of the block
   holds rows [16 i, 16 i + 16); thread (g, t) reads rows 16 i + g and
   16 i + g + 8, and token g of each 8-token n-tile, at bytes [32 t, 32 t + 32)
@@ -81,12 +84,12 @@ def sts_b16(addr, w, *, loc=None, ip=None):
 
 # ---------------------------------------------------------------- stage fill
 def issue_rows(stage, src0, src_pitch: int, first_row: int, n_rows: int, tid, threads: int, enable,
-               live_rows=None, core_matrices: bool = False):
+               live_rows=None, swizzled: bool = False):
     """cp.async ``n_rows`` rows of 128 bytes (row i from ``src0 + i * src_pitch``)
     into ``stage`` rows ``first_row + i`` where ``enable`` (Int32) is nonzero;
     thread ``tid`` takes pieces tid, tid + threads, ..; rows ``i >= live_rows``
     (Int32 >= 1; None: all live) are zero-filled, addressed at row
-    ``live_rows - 1`` (nothing is read). ``core_matrices``: wgmma's swizzled
+    ``live_rows - 1`` (nothing is read). ``swizzled``: wgmma's 128-byte swizzled
     layout (flintgen.device.wgmma.core_offset; first_row a multiple of 8),
     else rows at ROW_STRIDE pitch."""
     pieces = n_rows * ROW_PIECES
@@ -99,7 +102,7 @@ def issue_rows(stage, src0, src_pitch: int, first_row: int, n_rows: int, tid, th
         if live_rows is not None:
             fill = Int32(i < live_rows)
             src_row = cutlass.min(i, live_rows - 1)
-        if core_matrices:
+        if swizzled:
             dst = stage + Int32(wgmma.core_offset(first_row + i, c))
         else:
             dst = stage + Int32((first_row + i) * ROW_STRIDE + c * 16)

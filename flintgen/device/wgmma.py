@@ -7,13 +7,21 @@ Warpgroup Level Matrix Multiply-Accumulate"; descriptor fields as CUTLASS's
 ``GmmaDescriptor``).
 
 Shared layout of one operand of ``R`` rows (R % 8 == 0) and a unit's 64 K
-values, K-major without swizzle: 8 x 8 *core matrices* (8 rows x 16 bytes,
-128 contiguous bytes), the 8 core matrices of 8 rows side by side in K::
+values (128 bytes: one row of the 128-byte swizzle), K-major, swizzled:
+rows at 128-byte pitch, the 16-byte chunk c of row r stored at chunk
+``c ^ (r % 8)`` of its row, in atoms of 8 rows aligned to 1024 bytes (the
+hardware swizzles address bits, so the atoms must sit on 1024-byte
+boundaries)::
 
-    byte (r // 8) * SBO + c * LBO + (r % 8) * 16   holds row r's values [8 c, 8 c + 8)
-    LBO = 128   (the next 8 K values)      SBO = 1024   (the next 8 rows)
+    byte 128 r + 16 (c ^ (r % 8))   holds row r's values [8 c, 8 c + 8)
+    SBO = 1024   (the next 8 rows)
 
-A k16 step ``kk`` of the unit starts ``kk * 2 * LBO`` bytes in. Accumulators
+A row's 128 bytes are one line of global memory and, swizzled, one
+conflict-free shared-memory wavefront: 8 threads copy a row
+(flintgen.device.weight_stream.issue_rows). The unswizzled canonical layout
+(8 x 16-byte core matrices) was measured much slower (a warp's copies
+covering 8 rows x 64 bytes: benchmarks/results/qkv_stream.md). A k16 step
+``kk`` of the unit starts ``32 kk`` bytes in. Accumulators
 of ``m64nNk16`` (N = tokens, fp32): thread (warp w of the warpgroup, g =
 lane / 4, t = lane % 4) holds ``d[4 nt + j]`` = row ``16 w + g + 8 (j // 2)``,
 token ``8 nt + 2 t + j % 2``: the layout of ``mma.sync.m16n8k16``'s C of the
