@@ -275,6 +275,9 @@ def test_variant_refusals():
 
 
 # ----------------------------------------------------------------- compile
+WGMMA = StreamConfig(stages=6, wgmma=True)
+
+
 def _spec(name):
     from test_qkv import SPECS
 
@@ -306,7 +309,11 @@ def test_stream_compiles_clean(name, max_m):
     assert ".minnctapersm 1" in ptx     # else ptxas squeezes some variants into 64 registers and spills
 
 
-WGMMA_COMPILE = [("flint_bf16", 8), ("bf16_4096", 64), ("oss_bf16", 32), ("h16384_bf16", 16), ("oss_bf16_fp8", 64)]
+# what the op runs from 16 tokens (stream_config: 8 wgmma stages at 16 / 32 tokens, 6 at 64) on every compiled
+# shape whose blocks are whole warpgroups, and the 8-token tile with wgmma (a config)
+WGMMA_COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 16), ("bf16_4096", 32), ("bf16_4096", 64),
+                 ("oss_bf16", 32), ("h16384_bf16", 16), ("h16384_bf16", 64), ("glm4", 32), ("phi4_mini", 64),
+                 ("oss_bf16_fp8", 64), ("qwen_896", 16)]
 
 
 @pytest.mark.compile
@@ -317,7 +324,8 @@ def test_stream_wgmma_compiles_clean(name, max_m):
     from flintgen.runtime import load_variant
 
     spec = _spec(name)
-    v = KDEF.variant(spec, config=WGMMA, max_m=max_m, target=T132)
+    v = KDEF.variant(spec, config=None if max_m >= sp.STREAM_MIN_TOKENS else WGMMA, max_m=max_m, target=T132)
+    assert v["wgmma"] is True and v["stages"] == (8 if 8 < max_m <= 32 else 6)
     load_variant(KDEF, spec, v, T132)
     res, ptx = check_compiled(KDEF, spec, v, T132)
     p = KDEF.render_params(spec, v)
@@ -380,7 +388,6 @@ def _numerics_spec(op, name, m):
     _numerics(op, key, m, max(1, m - 1 - m // 8))
 
 
-WGMMA = StreamConfig(stages=6, wgmma=True)
 # every token tile (8..64 tokens: n8..n64), head dims 64 (one warpgroup), 128 and 256 (two blocks per head)
 WGMMA_CASES = [("bf16_4096", 1), ("bf16_4096", 16), ("bf16_4096", 33), ("bf16_4096", 64), ("oss_bf16", 9),
                ("oss_bf16", 64), ("flint_bf16", 40), ("h16384_bf16", 17), ("glm4", 63)]
