@@ -218,6 +218,11 @@ def test_wgmma_plan_and_refusals():
         StreamConfig(prefetch=2, wgmma=True)
     with pytest.raises(ValueError, match=r"one 16-row tile per warp \(warp_tiles = 2\)"):
         StreamConfig(warp_tiles=2, wgmma=True)
+    with pytest.raises(ValueError, match=r"in flight past the next unit's barrier: 2 stages must be at least 3"):
+        StreamConfig(stages=2, wgmma=True)
+    # copies in flight: one unit fewer than the mma.sync ring (a unit's MMAs run on past the next barrier)
+    assert p.lookahead == 4 and sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64,
+                                              stages=6).lookahead == 5
     with pytest.raises(ValueError, match=r"head_dim 96: 96\): use the mma.sync ring \(wgmma=False\)"):
         sp.StreamPlan(hidden=3072, head_dim=96, heads=48, ctas=132, max_m=16, wgmma=True)
 

@@ -147,9 +147,6 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} has {self.steps} K steps, fewer than "
                              f"prefetch = {self.prefetch} (a group of prefetched units spans at most two "
                              "blocks): prefetch fewer units")
-        if self.wgmma and self.stages == 2:
-            raise ValueError("StreamPlan: wgmma keeps a unit's MMAs in flight past the next unit's barrier: "
-                             "stages = 2 must be at least 3")
         if self.wgmma and (self.prefetch or self.warp_tiles != 1 or self.block_rows % WARPGROUP_ROWS):
             raise ValueError(f"StreamPlan: wgmma takes the ring path (prefetch = {self.prefetch} must be 0), one "
                              f"16-row tile per warp (warp_tiles = {self.warp_tiles}) and blocks of a multiple of "
@@ -170,6 +167,9 @@ class StreamPlan:
                              f"{self.head_dim}) need {self.smem_bytes_for(want)} bytes of shared memory, over the "
                              f"{SMEM_PER_CTA_MAX} a CTA may use: "
                              + (f"use at most {fit} stages" if fit >= 2 else "this shape does not fit the design"))
+        if self.wgmma and self.lookahead < 1:
+            raise ValueError(f"StreamPlan: wgmma keeps a unit's MMAs in flight past the next unit's barrier: "
+                             f"{self.ring_stages} stages must be at least 3")
 
     # ------------------------------------------------------------ geometry
     @property
@@ -299,6 +299,13 @@ class StreamPlan:
     def xn_bytes(self) -> int:
         """Staged xn ``[xn_slots, 2 halves, max_m, 64 bytes]`` (register path)."""
         return self.xn_slots * self.max_m * XN_SLOT_BYTES
+
+    @property
+    def lookahead(self) -> int:
+        """Ring path: units whose copies are in flight (the first ones issued before the grid-dependency
+        wait). A wgmma unit's MMAs stay in flight past the next unit's barrier, so its stage is refilled
+        one unit later."""
+        return self.ring_stages - (2 if self.wgmma else 1)
 
     @property
     def ring_stages(self) -> int:

@@ -43,6 +43,7 @@ CHUNK_BYTES = 16                    # 8 bf16
 SBO = 8 * ROW_BYTES                 # bytes between 8-row groups (one swizzle atom)
 ATOM_ALIGN = SBO                    # the swizzle is of address bits: atoms at 1024-byte boundaries
 K16_BYTES = 16 * 2                  # a k16 step along a row
+K16_STEPS = K_STEP // 16            # wgmma k16 steps of a unit
 _LBO_UNUSED = 1                     # K-major swizzled: one atom spans the unit's K
 _LAYOUT_SWIZZLE_128B = 1
 DESC_HI = (SBO >> 4) | (_LAYOUT_SWIZZLE_128B << 30)   # bits 32..63: stride byte offset, layout type

@@ -103,6 +103,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
+        "lookahead": 0 if plan.prefetch else plan.lookahead,
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
