@@ -3,11 +3,19 @@ CUDA-graph replay, with one part of templates/qkv_stream.py.j2 removed per
 variant (a text patch of the rendered module; results are wrong, only the
 time matters):
 
-* ``ref``        the streaming binary as shipped (6 stages)
-* ``no_mma``     no fragment loads and MMAs (the ring is still filled and waited on)
+* ``ref``        the production binary of 64 tokens (stream_config: the wgmma ring, 6 stages)
+* ``no_mma``     no MMAs (the ring is still filled and waited on)
 * ``no_sync``    no per-unit barrier (stages are refilled while others may read them)
 * ``no_xn``      xn's slices not copied (weights only through the ring)
 * ``no_finish``  no head completes: no merge, no epilogue (partials and counters still written)
+
+Each patch replaces whole lines of the rendered module and must match once
+(tests/test_qkv_stream.py::test_ablation_patches_apply keeps them in step
+with the template: once the template's unit loop moved one level in, the
+earlier substring patches had ``no_mma`` match a line's tail and move the
+partial stores into the loop, and ``no_sync`` match nothing; no published run
+used them so: run 1 of results/qkv_stream_ablation.md predates the move,
+run 2 switched the template instead).
 
     python -m benchmarks.qkv_stream_ablation [--prebuild DIR]
 
@@ -21,24 +29,24 @@ import os
 import sys
 
 from flintgen import cache, codegen, toolchain
+from flintgen.configs.qkv_stream_plan import stream_config
 from flintgen.kernels.qkv import QKVDef
-from flintgen.kernels.qkv_stream import StreamConfig
 
-LOOP_MMA = "                    self.mma_unit(acc, ring0 + (j % STAGES) * STAGE_BYTES, warp, g, t)\n"
-LOOP_SYNC = "                    wst.cp_async_wait(STAGES - 2)\n                    cute.arch.sync_threads()\n"
+_IN_LOOP = " " * 24   # the unit loop's body in the rendered module
 PATCHES = {
     "ref": [],
-    "no_mma": [(LOOP_MMA, "")],
-    "no_sync": [(LOOP_SYNC, "                    wst.cp_async_wait(STAGES - 2)\n")],
+    "no_mma": [(f"\n{_IN_LOOP}self.mma_unit(acc, ring0 + (j % STAGES) * STAGE_BYTES, warp, g, t)\n", "\n")],
+    "no_sync": [(f"\n{_IN_LOOP}cute.arch.sync_threads()\n", "\n")],
     "no_xn": [("self.issue_xn(xn, refill, lo + jn, tid, live, m)", "self.issue_xn(xn, refill, lo + jn, tid, Int32(0), m)")],
     "no_finish": [("if ptx.lds_i32(ptx.smem_addr(flag)) == HEAD_UNITS:",
                    "if ptx.lds_i32(ptx.smem_addr(flag)) == HEAD_UNITS + 1000000000:")],
 }
 KDEF = QKVDef()
-CFG = StreamConfig(stages=6)
+CFG = stream_config("bf16", 64, 128)
 
 
-def entry(spec, v, tag, target, root=None):
+def patched_source(spec, v, tag):
+    """The rendered module of ``v`` with ``tag``'s patches (each must occur exactly once)."""
     src = codegen.render(v.kernel, KDEF.template_of(v), dict(KDEF.render_params(spec, v)))
     for old, new in PATCHES[tag]:
         if src.count(old) != 1:
@@ -46,6 +54,11 @@ def entry(spec, v, tag, target, root=None):
         src = src.replace(old, new)
     if tag != "ref":
         src = src.replace("class QKVStream:", f"class QKVStream:  # ablation {tag}", 1)
+    return src
+
+
+def entry(spec, v, tag, target, root=None):
+    src = patched_source(spec, v, tag)
     key = cache.key_of(cache.key_material(v, src, target))
     return cache.Entry(v, KDEF.template_of(v), src, target, key, root or cache.default_root())
 

@@ -637,3 +637,29 @@ def test_device_buffers_allocate_once_per_device():
         with pytest.raises(RuntimeError, match=r"flintgen qkv: the workspace is allocated on first use, which must "
                                                r"not be inside a CUDA-graph capture: call op.warmup\(device\)"):
             bufs.get("c")
+
+
+@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
+def test_ablation_patches_apply(wg):
+    """benchmarks/qkv_stream_ablation.py's patches each replace whole lines of the rendered module once, and
+    what they leave still parses with the patched statement gone (the tool times what its labels say)."""
+    import ast
+
+    import benchmarks.qkv_stream_ablation as abl
+
+    spec = _spec("bf16_4096")
+    for m in (8, 64):
+        v = KDEF.variant(spec, config=StreamConfig(stages=6, wgmma=wg), max_m=m, target=T132)
+        ref = abl.patched_source(spec, v, "ref")
+        for tag, patches in abl.PATCHES.items():
+            src = abl.patched_source(spec, v, tag)
+            ast.parse(src)
+            for old, new in patches:
+                assert ref.count(old) == 1 and src.count(old) == 0, (tag, old)
+            if tag in ("no_mma", "no_sync"):   # one line less, nothing else
+                assert src.count("\n") == ref.count("\n") - 1, tag
+    # no_mma drops the loop's MMA and nothing else: the partial stores stay after the loop
+    src = abl.patched_source(spec, v, "no_mma")
+    i = src.index("for u in cutlass.range(seg_lo")
+    loop = src[i:src.index("self.store_partials(workspace, acc, cta * MAX_SEGS + seg,", i)]
+    assert "self.mma_unit(" not in loop and "cp_async_commit()" in loop
