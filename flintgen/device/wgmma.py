@@ -80,14 +80,13 @@ def _tied_asm(acc, inputs, asm, loc, ip):
 
 
 @dsl_user_op
-def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, wait: "int | None" = 0, *, loc=None, ip=None):
+def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, *, loc=None, ip=None):
     """``acc`` (n / 2 Float32, the layout above) += A B^T over ``ksteps`` k16 steps, A = the warpgroup's
     64 rows at descriptor ``a_lo``, B = ``n`` tokens at ``b_lo`` (desc_lo words of their k-step-0
-    addresses): one ``wgmma.m64n{n}k16`` per step, committed as one group, then ``wait``:
-    ``wgmma.wait_group wait`` (0: the accumulators are final and the operands free on return), or
-    None: still in flight (the caller waits with ``wait_group`` before reading them or reusing the
-    operands' shared memory). The accumulators are the asm's tied operands, so nothing else is
-    placed in their registers between the MMAs and the wait."""
+    addresses): one ``wgmma.m64n{n}k16`` per step, committed as one group and left in flight: the
+    caller waits (``wait_group``) before reading the accumulators or reusing the operands' shared
+    memory. The accumulators are the asm's tied operands (and wait_group's), so their reads follow
+    the wait."""
     nd = n // 2
     assert n % 8 == 0 and 8 <= n <= 256 and len(acc) == nd
     d = ", ".join(f"${i}" for i in range(nd))
@@ -99,8 +98,6 @@ def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, wait: "int | None" = 0, *, lo
                  f"add.u32 lo, {b}, {off};", "mov.b64 db, {lo, hi};",
                  f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, da, db, p, 1, 1, 0, 0;"]
     body.append("wgmma.commit_group.sync.aligned;")
-    if wait is not None:
-        body.append(f"wgmma.wait_group.sync.aligned {int(wait)};")
     asm = "{\n.reg .b64 da, db;\n.reg .b32 lo, hi;\n.reg .pred p;\n" + "\n".join(body) + "\n}"
     return _tied_asm(acc, [(Uint32, a_lo), (Uint32, b_lo), (Int32, 1)], asm, loc, ip)
 
