@@ -212,6 +212,9 @@ def test_wgmma_plan_and_refusals():
     assert sorted(offs) == list(range(0, 64 * 128, 16)) and all(o // 128 == i // 8 for i, o in enumerate(offs))
     assert all(len({wgmma.core_offset(r, c) % 128 for r in range(8 * a, 8 * a + 8)}) == 8
                for c in range(8) for a in range(8))
+    # = CUTLASS's Swizzle<3, 4, 3> (SW128 K-major atoms: byte address bits 4-6 ^= bits 7-9) of the plain rows
+    assert all(wgmma.core_offset(r, c) == (lambda a: a ^ ((a >> 3) & 0x70))(r * 128 + c * 16)
+               for r in range(200) for c in range(8))
     assert sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=24, stages=6, wgmma=True).stage_bytes \
         % wgmma.ATOM_ALIGN == 0
     with pytest.raises(ValueError, match=r"wgmma takes the ring path \(prefetch = 2 must be 0\)"):
