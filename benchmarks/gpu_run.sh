@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_run.sh qkv              # QKV step and GEMV benchmark
 #   bash benchmarks/gpu_run.sh qkv-fp8          # QKV step writing an e4m3 cache vs the bf16 one
 #   bash benchmarks/gpu_run.sh stream-tests     # the streaming QKV GEMV's GPU tests
+#   bash benchmarks/gpu_run.sh stream-sanitize  # compute-sanitizer's four tools over both MMA kinds of the stream
 #   bash benchmarks/gpu_run.sh stream           # the op's QKV GEMV per M (M 1..64) against the mma.sync ring (s6)
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
@@ -39,6 +40,15 @@ for what in "$@"; do
         qkv-fp8) python3 -m benchmarks.qkv --fp8 2>&1 | tee "$OUT/qkv_fp8.log" | tail -12 ;;
         stream-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py 2>&1 \
                | tee "$OUT/stream_tests.log" | tail -25; rc=$((rc || PIPESTATUS[0])) ;;
+        stream-sanitize) K="(wgmma_numerics and (oss_bf16-M9 or flint_bf16-M40)) or (test_stream_numerics and (flint_bf16-M33 or glm4-M2))"
+               for tool in memcheck racecheck synccheck initcheck; do
+                   extra=(); [ "$tool" = memcheck ] && extra=(--report-api-errors no)
+                   [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+                   compute-sanitizer --tool "$tool" "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                       tests/test_qkv_stream.py -k "$K" > "$OUT/stream_sanitize_$tool.log" 2>&1
+                   s=$?; rc=$((rc || s))
+                   echo "$tool rc $s: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/stream_sanitize_$tool.log" | tail -1)"
+               done ;;
         stream) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs s6 2>&1 \
                | tee "$OUT/qkv_stream.log" | tail -60 ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;

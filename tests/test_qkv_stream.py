@@ -581,24 +581,6 @@ def gpu_variants(target):
     return todo
 
 
-if __name__ == "__main__":
-    # python tests/test_qkv_stream.py --prebuild DIR: compile them for sm_90a / 132 SMs into DIR
-    import concurrent.futures as cf
-    import multiprocessing
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from flintgen.cli import _build_one
-
-    root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
-    todo = {(k.name, v): (k, s, v) for k, s, v in gpu_variants(T132)}
-    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for f in [pool.submit(_build_one, s, k.name, v, T132, root) for k, s, v in todo.values()]:
-            f.result()
-    print(f"prebuilt {len(todo)} variants into {root}")
-
-
 def test_cache_key_covers_device_code_only():
     """A binary's key hashes the flintgen modules its source imports,
     transitively (flintgen.cache.helpers_hash): the device helpers and
@@ -666,3 +648,28 @@ def test_ablation_patches_apply(wg):
     i = src.index("for u in cutlass.range(seg_lo")
     loop = src[i:src.index("self.store_partials(workspace, acc, cta * MAX_SEGS + seg,", i)]
     assert "self.mma_unit(" not in loop and "cp_async_commit()" in loop
+
+
+if __name__ == "__main__":
+    # python tests/test_qkv_stream.py --prebuild DIR [--no-other-configs]: compile the GPU tests' binaries for
+    # sm_90a / 132 SMs into DIR (--no-other-configs: not test_stream_other_configs' ring depths and paths)
+    import concurrent.futures as cf
+    import multiprocessing
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from flintgen.cli import _build_one
+
+    from flintgen.configs.qkv_config import token_tiles
+
+    root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
+    skip = set()
+    if "--no-other-configs" in sys.argv:
+        skip = {KDEF.variant(_ring_spec(mt)[1], config=c, max_m=tile, target=T132, debug=d)
+                for c, _, mt in CONFIGS for tile in token_tiles(mt) for d in (False, True)}
+    todo = {(k.name, v): (k, s, v) for k, s, v in gpu_variants(T132) if v not in skip}
+    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_build_one, s, k.name, v, T132, root) for k, s, v in todo.values()]:
+            f.result()
+    print(f"prebuilt {len(todo)} variants into {root}")
