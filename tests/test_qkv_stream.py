@@ -292,6 +292,18 @@ def _spec(name):
     return SPECS[name].replace(max_tokens=64)
 
 
+def _compiled(spec, cfg, max_m):
+    """(render params, PTX) of the streaming variant (``cfg`` None: the op's), built for sm_90a and checked
+    (decode_attention_cases.check_compiled: required PTX, ptxas resources)."""
+    from decode_attention_cases import check_compiled
+
+    from flintgen.runtime import load_variant
+
+    v = KDEF.variant(spec, config=cfg, max_m=max_m, target=T132)
+    load_variant(KDEF, spec, v, T132)
+    return KDEF.render_params(spec, v), check_compiled(KDEF, spec, v, T132)[1]
+
+
 COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 16), ("bf16_4096", 32), ("oss_bf16", 64),
            ("h16384_bf16", 64), ("d96_r24", 8), ("glm4", 32), ("phi4_mini", 64), ("oss_bf16_fp8", 8),
            ("d96_r24_fp8", 64), ("qwen_896", 16)]
@@ -300,15 +312,7 @@ COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 16), ("bf16_4096
 @pytest.mark.compile
 @pytest.mark.parametrize("name, max_m", COMPILE, ids=[f"{n}-M{m}" for n, m in COMPILE])
 def test_stream_compiles_clean(name, max_m):
-    from decode_attention_cases import check_compiled
-
-    from flintgen.runtime import load_variant
-
-    spec = _spec(name)
-    v = KDEF.variant(spec, config=StreamConfig(), max_m=max_m, target=T132)
-    load_variant(KDEF, spec, v, T132)
-    res, ptx = check_compiled(KDEF, spec, v, T132)
-    p = KDEF.render_params(spec, v)
+    p, ptx = _compiled(_spec(name), StreamConfig(), max_m)
     # one CTA per SM (the ring fills shared memory): registers up to 255 per thread are free
     assert p["stages"] >= 4, p["stages"]
     # the unit loop body of each segment: 4 MMAs per 8-token n-tile
@@ -327,16 +331,8 @@ WGMMA_COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 16), ("bf1
 @pytest.mark.compile
 @pytest.mark.parametrize("name, max_m", WGMMA_COMPILE, ids=[f"{n}-M{m}" for n, m in WGMMA_COMPILE])
 def test_stream_wgmma_compiles_clean(name, max_m):
-    from decode_attention_cases import check_compiled
-
-    from flintgen.runtime import load_variant
-
-    spec = _spec(name)
-    v = KDEF.variant(spec, config=None if max_m >= sp.STREAM_MIN_TOKENS else WGMMA, max_m=max_m, target=T132)
-    assert v["wgmma"] is True and v["stages"] == (8 if 8 < max_m <= 32 else 6)
-    load_variant(KDEF, spec, v, T132)
-    res, ptx = check_compiled(KDEF, spec, v, T132)
-    p = KDEF.render_params(spec, v)
+    p, ptx = _compiled(_spec(name), None if max_m >= sp.STREAM_MIN_TOKENS else WGMMA, max_m)
+    assert p["use_wgmma"] is True and p["stages"] == (8 if 8 < max_m <= 32 else 6)
     # each segment's unit: 4 k16 steps of m64n{max_m}k16, waited on once; no mma.sync
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == p["max_segments"]
