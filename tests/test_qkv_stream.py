@@ -405,16 +405,6 @@ def test_stream_wgmma_numerics(name, m):
     _counters_zero(op)
 
 
-@pytest.mark.gpu
-def test_stream_wgmma_fp8_cache_bit_exact():
-    from test_qkv_fp8 import Pair
-
-    spec_b, spec8 = _spec("oss_bf16"), _spec("oss_bf16").replace(kv_cache_dtype="fp8_e4m3")
-    p = Pair("oss_bf16", 48, seed=348, spec_b=spec_b, spec8=spec8, op_b=_op(spec_b, WGMMA), op8=_op(spec8, WGMMA))
-    p.run().check("stream wgmma oss_bf16 M=48")
-    _counters_zero(p.op8)
-
-
 # (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens), two 16-row tiles per warp and
 # the register path (prefetch depths, 1 and 2 CTAs per SM)
 CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
@@ -446,18 +436,20 @@ def test_stream_other_configs(cfg, m, max_tokens):
     _numerics(_op(spec, cfg), key, m)
 
 
-FP8 = [("oss_bf16", 8), ("oss_bf16", 64), ("d96_r24", 33), ("glm4", 16), ("phi4_mini", 5)]
+# (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
+FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
+       ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, m", FP8, ids=[f"{n}-M{m}" for n, m in FP8])
-def test_stream_fp8_cache_bit_exact(name, m):
+@pytest.mark.parametrize("name, m, cfg", FP8, ids=[f"{n}-M{m}" + ("-wgmma" if c.wgmma else "") for n, m, c in FP8])
+def test_stream_fp8_cache_bit_exact(name, m, cfg):
     """The fp8 binary stores e4m3(bf16 row / scale) of the bf16 binary's rows, bit-exact; q identical."""
     from test_qkv_fp8 import Pair
 
     spec_b, spec8 = _spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")
-    p = Pair(name, m, seed=300 + m, spec_b=spec_b, spec8=spec8, op_b=_op(spec_b), op8=_op(spec8))
-    p.run().check(f"stream {name} M={m}")
+    p = Pair(name, m, seed=300 + m, spec_b=spec_b, spec8=spec8, op_b=_op(spec_b, cfg), op8=_op(spec8, cfg))
+    p.run().check(f"stream {name} M={m}" + (" wgmma" if cfg.wgmma else ""))
     _counters_zero(p.op8)
 
 
@@ -545,7 +537,7 @@ def gpu_variants(target):
     from flintgen.kernels import get_def
 
     todo = []
-    names = sorted({n for n, _ in GPU_CASES + FP8} | {"bf16_4096"})
+    names = sorted({n for n, _ in GPU_CASES} | {n for n, _, _ in FP8} | {"bf16_4096"})
     from flintgen.configs.qkv_config import token_tiles
 
     for cfg, _, mt in CONFIGS:
@@ -558,7 +550,7 @@ def gpu_variants(target):
                      for tile in TOKEN_TILES for d in (False, True)]
     for name in names:
         for spec in (_spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")):
-            if spec.kv_cache_dtype == "fp8_e4m3" and name not in dict(FP8):
+            if spec.kv_cache_dtype == "fp8_e4m3" and name not in {n for n, _, _ in FP8}:
                 continue
             rms = get_def("rms_norm")
             todo += [(rms, spec, v) for v in rms.variants(spec, target)]

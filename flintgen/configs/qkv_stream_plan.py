@@ -103,9 +103,14 @@ def stream_config(weight_format: str, max_m: int, head_dim: int) -> "StreamConfi
     selected (benchmarks/results/qkv_stream_register_path.md)."""
     if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
         return None
-    if min(head_dim, MAX_BLOCK_ROWS) % WARPGROUP_ROWS:
+    if block_rows_of(head_dim) % WARPGROUP_ROWS:
         return StreamConfig(stages=STREAM_STAGES)
     return StreamConfig(stages=STREAM_STAGES if max_m > 32 else STREAM_STAGES_SMALL, wgmma=True)
+
+
+def block_rows_of(head_dim: int) -> int:
+    """Weight rows of a block: the head, or 128-row pieces of a 256-dim head."""
+    return min(head_dim, MAX_BLOCK_ROWS)
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,7 @@ class StreamPlan:
     # ------------------------------------------------------------ geometry
     @property
     def block_rows(self) -> int:
-        return min(self.head_dim, MAX_BLOCK_ROWS)
+        return block_rows_of(self.head_dim)
 
     @property
     def warps(self) -> int:
