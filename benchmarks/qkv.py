@@ -221,7 +221,8 @@ def fp8_specs():
 def stream_configs():
     """--stream: (label, config) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2,s6g`` adds
     streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers
-    (the register path), c: CTAs per SM, g: wgmma); ``--no-fill`` leaves out the ring filling shared memory."""
+    (the register path), c: CTAs per SM, g: wgmma, f: tokens per finishing slice); ``--no-fill`` leaves out the
+    ring filling shared memory."""
     import re
 
     out = [("production", None)]
@@ -229,10 +230,11 @@ def stream_configs():
         out.append(("stream", qkv_stream.StreamConfig()))
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
-            w, st, p, cs, g = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?", c).groups()
+            w, st, p, cs, g, f = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(?:f(\d+))?",
+                                              c).groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
-                                                                wgmma=g is not None)))
+                                                                wgmma=g is not None, finish_tokens=int(f or 0))))
     return out
 
 

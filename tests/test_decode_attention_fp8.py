@@ -158,7 +158,8 @@ def test_fp8_configs_by_bytes(gqa, head_dim):
     """Every batch and window kind: the bf16 choice with half the slice
     bytes, bf16's stages (one fewer for windows, at least 2; more only where
     the epilogue scratch needs them), everything
-    else unchanged; same fragment registers."""
+    else unchanged; same fragment registers. Except head_dim 64's
+    single-split launches past one wave of two CTAs per SM: 4 per SM, 2 slots."""
     for kv in (1, 8):
         for window in (None, 128, 4096):
             kw = dict(max_batch=256, num_kv_heads=kv, sliding=window is not None, window=window,
@@ -168,6 +169,11 @@ def test_fp8_configs_by_bytes(gqa, head_dim):
                 x, y = bf[b], f8[b]
                 assert y.kv_dtype == "fp8_e4m3" and x.kv_dtype == "bf16"
                 assert y.slice_bytes * 2 == x.slice_bytes
+                if (head_dim == 64 and gqa <= 8 and x.num_splits == 1 and x.ctas_per_sm == 2
+                        and b * kv > 2 * 132):   # more than one wave at 2 per SM: 4 CTAs per SM of 2 slots
+                    assert y == dataclasses.replace(x, kv_dtype="fp8_e4m3", num_stages=2,
+                                                    ctas_per_sm=dac.FP8_D64_CTAS_PER_SM), (b, x, y)
+                    continue
                 keep = (head_dim, gqa) in dac.FP8_SLIDING_KEEP_BF16_SLOTS
                 want = max(2, x.num_stages - 1) if window and not keep else x.num_stages
                 assert want <= y.num_stages <= 2 * x.num_stages, (b, x, y)
@@ -408,7 +414,9 @@ def _compile_cases():
     for spec in (FP8, fp8_spec(16, 128, page=64, kv=1, window=None, softcap=True), fp8_spec(2, 256, kv=8),
                  fp8_spec(1, 96, kv=2), fp8_spec(8, 64, kv=1, page=32, window=4096),
                  fp8_spec(1, 64, kv=2, window=128, max_batch=64),    # 2 / 6 sliding ring slots spilled here
-                 fp8_spec(7, 64, kv=2, window=128, max_batch=64)):   # 2 spilled here
+                 fp8_spec(7, 64, kv=2, window=128, max_batch=64),    # 2 spilled here
+                 fp8_spec(1, 64, kv=8, window=None, max_batch=64),   # B = 64: 4 CTAs per SM of 2 slots
+                 fp8_spec(7, 64, kv=8, window=None, max_batch=64)):
         op = KDEF.bind(spec, T132, _no_load)
         fams = {}
         for sliding in op._variants:

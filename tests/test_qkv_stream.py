@@ -199,6 +199,35 @@ def test_register_path_refusals():
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, prefetch=4, ctas_per_sm=4)
 
 
+def test_finish_slices_plan_and_refusals():
+    """Spread finish: a head's tokens in whole-n-tile slices, slice s to CTA s * grid // total: every CTA
+    finishes at most max_owned, consecutive slices of a head go to consecutive CTAs of its contributors'
+    neighbourhood, and every slice has exactly one finisher."""
+    for heads, hidden, m, ft in ((40, 2048, 64, 16), (40, 2048, 64, 8), (48, 4096, 32, 16), (5, 1024, 16, 8),
+                                 (400, 2048, 64, 8)):
+        p = sp.StreamPlan(hidden=hidden, head_dim=128, heads=heads, ctas=132, max_m=m, stages=6, wgmma=True,
+                          finish_tokens=ft)
+        assert p.finish_slices == m // ft and p.slice_tokens == ft and p.finish_total == heads * m // ft
+        owners = [p.finisher(s) for s in range(p.finish_total)]
+        assert owners == sorted(owners) and max(owners) < p.grid
+        assert max(owners.count(c) for c in range(p.grid)) == p.max_owned
+        for c in range(p.grid):   # the kernel's closed form of CTA c's slices
+            lo, hi = -(-c * p.finish_total // p.grid), -(-(c + 1) * p.finish_total // p.grid)
+            assert [s for s, o in enumerate(owners) if o == c] == list(range(lo, hi))
+        assert p.merge_ntiles * 8 <= ft and (ft // 8) % p.merge_ntiles == 0
+    off = sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, stages=6, wgmma=True)
+    assert off.finish_slices == 1 and off.max_owned == 0 and off.merge_ntiles == 4
+    assert StreamConfig(finish_tokens=16).tokens_for(64) == 16 and StreamConfig(finish_tokens=32).tokens_for(16) == 16
+    with pytest.raises(ValueError, match=r"finish_tokens = 12 must be 0 \(the completing CTA finishes a head\) or "
+                                         r"8, 16, .., 64"):
+        StreamConfig(finish_tokens=12)
+    with pytest.raises(ValueError, match=r"finish_tokens = 24 must be a multiple of 8 that divides the 64-token tile"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, finish_tokens=24)
+    with pytest.raises(ValueError, match=r"finish_tokens = 8 \(heads finished in slices after the range\) takes the "
+                                         r"ring path: prefetch = 2 must be 0"):
+        StreamConfig(prefetch=2, finish_tokens=8)
+
+
 def test_wgmma_plan_and_refusals():
     """wgmma stages hold unpadded swizzled rows; it takes the ring, one tile per warp and 64-row multiples."""
     from flintgen.device import wgmma
@@ -339,6 +368,30 @@ def test_stream_wgmma_compiles_clean(name, max_m):
     assert "mma.sync" not in ptx
 
 
+# the spread finish (finish_tokens): both MMA kinds, head dims 64 / 96 / 128 / 256, fp8, slices of 8 and 16
+FIN16, FIN8 = StreamConfig(stages=6, wgmma=True, finish_tokens=16), StreamConfig(stages=6, wgmma=True, finish_tokens=8)
+FIN8_MMA = StreamConfig(stages=6, finish_tokens=8)
+FINISH_COMPILE = [("flint_bf16", 64, FIN16), ("flint_bf16", 64, FIN8), ("bf16_4096", 16, FIN8), ("oss_bf16", 64, FIN8),
+                  ("h16384_bf16", 64, FIN16), ("d96_r24", 32, FIN8_MMA), ("glm4", 32, FIN16),
+                  ("oss_bf16_fp8", 64, FIN16), ("qwen3_1024", 64, FIN8)]
+
+
+def _fin_id(c):
+    return f"f{c.finish_tokens}" + ("g" if c.wgmma else "")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", FINISH_COMPILE, ids=[f"{n}-M{m}-{_fin_id(c)}" for n, m, c in FINISH_COMPILE])
+def test_stream_finish_compiles_clean(name, max_m, cfg):
+    p, ptx = _compiled(_spec(name), cfg, max_m)
+    assert p["finish_slices"] == max_m // cfg.tokens_for(max_m) and p["max_owned"] >= 1
+    # one poll loop per owned slice, no arrival flag broadcast (counting only: one atomic per segment,
+    # one departure per owned slice)
+    assert ptx.count("nanosleep") == p["max_owned"]
+    assert ptx.count("ld.acquire.gpu.global") == 2 * p["max_owned"]   # the poll loop rotated: one load before it
+    assert ptx.count("atom.acq_rel.gpu.global.add.s32") == p["max_segments"] + p["max_owned"]
+
+
 # ----------------------------------------------------------------- GPU
 def _op(spec, cfg=StreamConfig()):
     from flintgen import toolchain
@@ -405,6 +458,21 @@ def test_stream_wgmma_numerics(name, m):
     _counters_zero(op)
 
 
+FINISH_CASES = ([("flint_bf16", m, FIN16) for m in (1, 7, 9, 16, 33, 63, 64)]
+                + [("flint_bf16", 40, FIN8), ("bf16_4096", 1, FIN8), ("bf16_4096", 64, FIN8), ("oss_bf16", 64, FIN8),
+                   ("oss_bf16", 17, FIN16), ("h16384_bf16", 40, FIN16), ("d96_r24", 57, FIN8_MMA),
+                   ("glm4", 63, FIN16), ("qwen3_1024", 64, FIN8), ("qwen3_1024", 2, FIN8)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m, cfg", FINISH_CASES, ids=[f"{n}-M{m}-{_fin_id(c)}" for n, m, c in FINISH_CASES])
+def test_stream_finish_numerics(name, m, cfg):
+    """Heads finished in token slices by several CTAs: the same contract, counters back at zero."""
+    op = _stream_op(name, cfg)
+    _numerics_spec(op, name, m)
+    _counters_zero(op)
+
+
 # (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens), two 16-row tiles per warp and
 # the register path (prefetch depths, 1 and 2 CTAs per SM)
 CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
@@ -438,11 +506,13 @@ def test_stream_other_configs(cfg, m, max_tokens):
 
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
-       ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA)]
+       ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
+       ("oss_bf16", 64, FIN8)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, m, cfg", FP8, ids=[f"{n}-M{m}" + ("-wgmma" if c.wgmma else "") for n, m, c in FP8])
+@pytest.mark.parametrize("name, m, cfg", FP8, ids=[f"{n}-M{m}" + ("-wgmma" if c.wgmma else "")
+                                                   + (f"-f{c.finish_tokens}" if c.finish_tokens else "") for n, m, c in FP8])
 def test_stream_fp8_cache_bit_exact(name, m, cfg):
     """The fp8 binary stores e4m3(bf16 row / scale) of the bf16 binary's rows, bit-exact; q identical."""
     from test_qkv_fp8 import Pair
@@ -453,16 +523,19 @@ def test_stream_fp8_cache_bit_exact(name, m, cfg):
     _counters_zero(p.op8)
 
 
+KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16}   # the finish: wgmma, heads in 16-token slices
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
-def test_stream_graph_replay_with_changed_inputs(wg):
+@pytest.mark.parametrize("kind", KINDS)
+def test_stream_graph_replay_with_changed_inputs(kind):
     """A graph captured per token tile replays with new x / weights / positions
     in place and matches eager calls on the same inputs (counters reset
     inside the graph: every replay sees zeros)."""
     from test_qkv import Case
 
     spec = _spec("bf16_4096")
-    op = _stream_op("bf16_4096", WGMMA if wg else StreamConfig())
+    op = _stream_op("bf16_4096", KINDS[kind])
     op.warmup(torch.device("cuda"))
     for m in (1, 9, 64):
         c = Case(spec, m, seed=11 + m, n_slots=m)
@@ -492,14 +565,14 @@ def test_stream_graph_replay_with_changed_inputs(wg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wg", [False, True], ids=["mma", "wgmma"])
-def test_stream_layers_back_to_back_race_free(wg):
+@pytest.mark.parametrize("kind", KINDS)
+def test_stream_layers_back_to_back_race_free(kind):
     """Layers launched back to back (PDL, shared workspace and counters) give
     the bits of the same layers separated by synchronizations."""
     from test_qkv import Case
 
     spec = _spec("flint_bf16")
-    op = _stream_op("flint_bf16", WGMMA if wg else StreamConfig())
+    op = _stream_op("flint_bf16", KINDS[kind])
     layers = [Case(spec, 33, seed=70 + i, n_slots=33) for i in range(5)]
     for i, c in enumerate(layers):
         c.slots = torch.arange(33 * i, 33 * i + 33, device="cuda") % (6 * 16)
@@ -548,6 +621,12 @@ def gpu_variants(target):
         for spec in (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if name == "oss_bf16" else ()):
             todo += [(KDEF, spec, KDEF.variant(spec, config=WGMMA, max_m=tile, target=target, debug=d))
                      for tile in TOKEN_TILES for d in (False, True)]
+    fin = {(n, c) for n, _, c in FINISH_CASES} | {("bf16_4096", KINDS["finish"]), ("flint_bf16", KINDS["finish"])}
+    fp8_fin = {(n, c) for n, _, c in FP8 if c.finish_tokens}
+    for name, cfg in sorted(fin | fp8_fin, key=str):
+        specs = (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if (name, cfg) in fp8_fin else ())
+        todo += [(KDEF, spec, KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=d))
+                 for spec in specs for tile in TOKEN_TILES for d in (False, True)]
     for name in names:
         for spec in (_spec(name), _spec(name).replace(kv_cache_dtype="fp8_e4m3")):
             if spec.kv_cache_dtype == "fp8_e4m3" and name not in {n for n, _, _ in FP8}:

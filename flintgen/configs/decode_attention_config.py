@@ -258,16 +258,22 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
     check_supported(head_dim=head_dim, gqa=gqa, page_size=page_size, kv_dtype=kv_dtype)
     cfg = _launch_config_bf16(batch=batch, num_kv_heads=num_kv_heads, sliding=sliding, window=window,
                               head_dim=head_dim, gqa=gqa, page_size=page_size, num_sms=num_sms)
-    return cfg if kv_dtype == "bf16" else _fp8_by_bytes(cfg, kv_dtype, sliding)
+    if kv_dtype == "bf16":
+        return cfg
+    return _fp8_by_bytes(cfg, kv_dtype, sliding, waves_at_two=-(-batch * num_kv_heads // (2 * num_sms)))
 
 
 # (head_dim, GQA) whose fp8 sliding kernels keep bf16's ring slots (``_fp8_by_bytes``).
 FP8_SLIDING_KEEP_BF16_SLOTS = frozenset({(64, 1), (64, 7)})
+# CTAs per SM of fp8 head_dim-64 single-split launches (``_fp8_by_bytes``).
+FP8_D64_CTAS_PER_SM = 4
 
 
-def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool) -> DecodeAttentionConfig:
+def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool,
+                  waves_at_two: int = 1) -> DecodeAttentionConfig:
     """The bf16 choice ``cfg`` for a cache of 1-byte elements (half the slice
-    bytes, the same fragment registers). H200, fp8 e4m3, sweep run 16
+    bytes, the same fragment registers); ``waves_at_two``: waves of the
+    launch's pairs at two single-split CTAs per SM. H200, fp8 e4m3, sweep run 16
     (results/decode_attention_sweep.md):
 
     * stages: bf16's (fewer bytes in flight; bandwidth rows do not need
@@ -287,7 +293,19 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool) -> D
       clusters 9.67 against 7.03).
     * more slots where the epilogue's scratch (which reuses the ring) needs
       them: up to bf16's ring bytes (twice its slots), which always fit.
+    * head_dim 64, one head tile, one split per pair with two CTAs per SM,
+      more than one wave of them (> 2 x num_sms pairs): 4 CTAs per SM of 2 slots
+      (``FP8_D64_CTAS_PER_SM``). A 2 KB slice gives a warp half a bf16
+      slice's bytes for the same MMAs and the conversions, so two CTAs per
+      SM are latency-bound where bf16 reads at the floor. Sweep run 17
+      (2026-12-03), gpt-oss 64/8 d64 B=64 x 8k (512 pairs): 2 per SM 166.5
+      (6 slots) / 164.1 (3); 4 per SM 136.9 (2) / 138.8 (3) / 138.4 (4);
+      3 per SM 211-214 (1.3 waves); no cap, 3 slots, 144.7 us. Not at
+      head_dim 128 (64/8 d128 B=128 x 8k: 3 or 4 per SM 547 against 522).
     """
+    if (cfg.head_dim == 64 and cfg.layout.num_tiles == 1 and cfg.num_splits == 1 and cfg.ctas_per_sm == 2
+            and not cfg.cluster and waves_at_two > 1):
+        return replace(cfg, kv_dtype=kv_dtype, num_stages=2, ctas_per_sm=FP8_D64_CTAS_PER_SM)
     fewer = sliding and (cfg.head_dim, cfg.gqa) not in FP8_SLIDING_KEEP_BF16_SLOTS
     stages = max(2, cfg.num_stages - 1) if fewer else cfg.num_stages
     while True:

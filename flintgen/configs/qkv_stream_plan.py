@@ -17,6 +17,18 @@ block of c)``; a per-head counter counts the units that arrived, and the CTA
 that completes a head sums the head's partials in CTA order (= K order:
 deterministic) and runs the per-head epilogue.
 
+With ``finish_tokens`` > 0 the finish is spread instead: a head's tokens are
+cut into ``finish_slices`` slices of ``finish_tokens`` tokens (whole 8-token
+n-tiles), slice ``s = head * finish_slices + j`` (of ``finish_total``)
+belongs to CTA ``s * grid // finish_total`` (one of the head's contributors
+or a neighbour), and every CTA, after publishing its whole range, waits for
+the heads of its slices to complete (their counters) and finishes those
+tokens only: merge (same CTA order) and epilogue. The grid is what the SMs
+hold at once and a CTA waits only after publishing everything, so the waits
+end (the persistent-grid assumption decode attention's several-CTA merge
+makes too). The finishers count their departures on the same counter; the
+last resets it.
+
 Inside a CTA, ``warps = block_rows / (16 warp_tiles)`` warps each own
 ``warp_tiles`` 16-row MMA tiles of the block and all ``max_m`` tokens. Two
 copy paths bring the weights:
@@ -66,19 +78,30 @@ class StreamConfig:
     (0: as many as fit a CTA's shared memory, StreamPlan.ring_stages),
     ``warp_tiles`` 16-row MMA tiles per warp, ``prefetch`` units in flight
     per warp in registers (> 0: the register path, no ring; stages must be 0),
-    ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count)
-    and ``wgmma`` (the ring's MMAs as warpgroup MMAs from shared memory)."""
+    ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count),
+    ``wgmma`` (the ring's MMAs as warpgroup MMAs from shared memory) and
+    ``finish_tokens`` (> 0: completed heads finished in slices of that many
+    tokens by several CTAs, StreamPlan; a tile of fewer tokens is one slice)."""
 
     stages: int = 0
     warp_tiles: int = 1
     prefetch: int = 0
     ctas_per_sm: int = 1
     wgmma: bool = False
+    finish_tokens: int = 0
 
     def __post_init__(self) -> None:
         StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
                    warp_tiles=self.warp_tiles, prefetch=self.prefetch,
-                   ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma)  # range checks
+                   ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
+                   finish_tokens=min(self.finish_tokens, 8))  # range checks
+        if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
+            raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
+                             "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
+
+    def tokens_for(self, max_m: int) -> int:
+        """Tokens per finishing slice at the token tile ``max_m``."""
+        return min(self.finish_tokens, max_m)
 
 
 def stream_config(weight_format: str, max_m: int, head_dim: int) -> "StreamConfig | None":
@@ -125,6 +148,7 @@ class StreamPlan:
     prefetch: int = 0     # > 0: the register path, units in flight per warp
     ctas_per_sm: int = 1  # CTAs resident per SM: the grid is ctas x ctas_per_sm (at most one per unit)
     wgmma: bool = False   # the ring's MMAs as wgmma.m64nNk16 from shared memory (a warpgroup per 64 rows)
+    finish_tokens: int = 0   # > 0: completed heads finished in slices of this many tokens by several CTAs
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -159,6 +183,12 @@ class StreamPlan:
                              "mma.sync ring (wgmma=False) for this shape")
         if not 1 <= self.ctas_per_sm <= MAX_CTAS_PER_SM:
             raise ValueError(f"StreamPlan: ctas_per_sm = {self.ctas_per_sm} must be 1..{MAX_CTAS_PER_SM}")
+        if self.finish_tokens and (self.finish_tokens % 8 or self.max_m % self.finish_tokens):
+            raise ValueError(f"StreamPlan: finish_tokens = {self.finish_tokens} must be a multiple of 8 that "
+                             f"divides the {self.max_m}-token tile (or 0: the completing CTA finishes a head)")
+        if self.finish_tokens and self.prefetch:
+            raise ValueError(f"StreamPlan: finish_tokens = {self.finish_tokens} (heads finished in slices after "
+                             f"the range) takes the ring path: prefetch = {self.prefetch} must be 0")
         if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
@@ -255,6 +285,31 @@ class StreamPlan:
         """fp32 partials: ``[slots, block_rows, max_m]``."""
         return self.slots * self.block_rows * self.max_m
 
+    # ------------------------------------------------------------ finishing a head
+    @property
+    def finish_slices(self) -> int:
+        """Token slices a completed head is finished in (1 with ``finish_tokens`` 0: all of it by the
+        CTA that completed it)."""
+        return self.max_m // self.finish_tokens if self.finish_tokens else 1
+
+    @property
+    def slice_tokens(self) -> int:
+        return self.max_m // self.finish_slices
+
+    @property
+    def finish_total(self) -> int:
+        """Slices of every head (``finish_tokens`` > 0); slice ``s`` is head ``s // finish_slices``'s."""
+        return self.heads * self.finish_slices
+
+    def finisher(self, s: int) -> int:
+        """The CTA that finishes slice ``s``."""
+        return s * self.grid // self.finish_total
+
+    @property
+    def max_owned(self) -> int:
+        """Slices one CTA finishes, at most."""
+        return -(-self.finish_total // self.grid) if self.finish_tokens else 0
+
     # ------------------------------------------------------------ merging a head
     @property
     def merge_floats(self) -> int:
@@ -263,12 +318,12 @@ class StreamPlan:
     @property
     def merge_ntiles(self) -> int:
         """8-token n-tiles of every contributor's partial loaded per merge round: the most that divide
-        the tile's n-tiles with ``4 max_contributors n <= merge_floats`` (1 past 6 contributors or on the
+        a finishing slice's n-tiles with ``4 max_contributors n <= merge_floats`` (1 past 6 contributors or on the
         register path). Measured (qkv_stream_launch.md): rounds are L2 latencies on the kernel's tail,
         so fewer rounds shorten it."""
         if self.prefetch or self.max_contributors > 6:
             return 1
-        n_tiles = self.max_m // 8
+        n_tiles = self.slice_tokens // 8
         fit = [n for n in range(1, n_tiles + 1) if n_tiles % n == 0 and 4 * self.max_contributors * n <= self.merge_floats]
         return max(fit, default=1)
 

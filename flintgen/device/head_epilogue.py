@@ -84,8 +84,9 @@ def load_norm_weights(norm_w, lane, lanes: EpilogueLanes, offset: int):
 
 
 def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_slots, *,
-                    lanes: EpilogueLanes, warps: int, token_iters: int):
-    """Per token this warp finishes: ``(slot,)`` or, with RoPE (``cos_sin`` not
+                    lanes: EpilogueLanes, warps: int, token_iters: int, tok0=None):
+    """Per token this warp finishes (``tok0 + warp + it warps``; ``tok0`` None:
+    0): ``(slot,)`` or, with RoPE (``cos_sin`` not
     None: fp32 ``[max_pos, R]`` cos | sin), ``(slot, cos[P], sin[P])`` of the
     lane's pairs (table columns [P l, P l + P) and R/2 + those). Issued right
     after the grid-dependency wait so they land during the GEMV; loads happen
@@ -95,7 +96,7 @@ def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_s
     is_rank0 = Int32(rank == 0)
     out = []
     for it in range(token_iters):
-        n = warp + it * warps
+        n = warp + it * warps if tok0 is None else tok0 + warp + it * warps
         has_slot = is_rank0 * Int32(n < num_slots)
         slot = ldst.ldg_i64_pred(slot_mapping.iterator.toint() + Int64(n) * 8, has_slot, Int64(-1))
         if cos_sin is None:
@@ -223,12 +224,15 @@ def finish_qk(
     lanes: cutlass.Constexpr,
     kv_eb: cutlass.Constexpr[int],
     kv_fp8: cutlass.Constexpr[bool],
+    tok0=None,
 ):
     """q or k head: optional per-head RMSNorm over all D dims (``norm_w`` =
     ``load_norm_weights``), optional RoPE of the rotary pairs (cos / sin in
     ``tok``), one bf16 rounding; q to ``q``, k to its cache slot of ``kv_eb``-byte
     elements (``kv_fp8``: those bf16 values / ``kv_scale``, a
-    ``kv_quant.Scale``, as e4m3; else the bf16 words, ``kv_scale`` None)."""
+    ``kv_quant.Scale``, as e4m3; else the bf16 words, ``kv_scale`` None).
+    Warp w takes tokens ``tok0 + w + it warps`` (``tok0`` None: 0), rows of
+    ``head_rows`` that hold the tokens' values from ``tok0`` on."""
     head_dim = lanes.head_dim
     e = lanes.pair_e
     half = lanes.rope_dim // 2
@@ -244,7 +248,10 @@ def finish_qk(
     for g0 in cutlass.range_constexpr(0, token_iters, group):
         outs = []
         for it in cutlass.range_constexpr(g0, g0 + group):
-            n = cutlass.max(cutlass.min(warp + it * warps, m - 1), 0)
+            if cutlass.const_expr(tok0 is None):
+                n = cutlass.max(cutlass.min(warp + it * warps, m - 1), 0)
+            else:   # a token past M reads a row of this slice
+                n = cutlass.max(cutlass.min(tok0 + warp + it * warps, m - 1), tok0)
             row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
             if cutlass.const_expr(lanes.interleaved):
                 x1, x2 = rope.deinterleave(ldst.lds_bf16_run(row + d * 2, 2 * e))
@@ -296,7 +303,7 @@ def finish_qk(
             for it in cutlass.range_constexpr(g0, g0 + group):
                 krows[it - g0] = cache_row(tok[it][0], block_size, stride_block, stride_token)
         for it in cutlass.range_constexpr(g0, g0 + group):
-            n = warp + it * warps
+            n = warp + it * warps if tok0 is None else tok0 + warp + it * warps
             o1, o2, op = outs[it - g0]
             krow = krows[it - g0]
             if n < m:
@@ -334,16 +341,18 @@ def finish_v(
     lanes: cutlass.Constexpr,
     kv_eb: cutlass.Constexpr[int],
     kv_fp8: cutlass.Constexpr[bool],
+    tok0=None,
 ):
     """v head: the rows' bits go to the cache slot unchanged (``kv_fp8``:
     their values / ``kv_scale``, a ``kv_quant.Scale``, as e4m3); lane l <
-    v_lanes owns [E l, E l + E) and [D/2 + E l, ..) (E = v_e)."""
+    v_lanes owns [E l, E l + E) and [D/2 + E l, ..) (E = v_e). Tokens as
+    ``finish_qk``'s."""
     head_dim = lanes.head_dim
     e = lanes.v_e
     half = head_dim // 2
     d = _clamp(lane, lanes.v_lanes) * e
     for it in cutlass.range_constexpr(token_iters):
-        n = warp + it * warps
+        n = warp + it * warps if tok0 is None else tok0 + warp + it * warps
         if n < m:
             row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
             if cutlass.const_expr(kv_fp8):

@@ -70,7 +70,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
     return StreamPlan(hidden=p["hidden"], head_dim=p["head_dim"], heads=p["q_heads"] + 2 * p["kv_heads"],
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
-                      wgmma=p.get("wgmma", False))
+                      wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -86,6 +86,8 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
+    if cfg.finish_tokens:
+        p["finish_tokens"] = cfg.tokens_for(max_m)
     plan_of(p)   # raises where the shape does not fit
     return Variant.of("qkv", **p)
 
@@ -106,6 +108,8 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "lookahead": 0 if plan.prefetch else plan.lookahead,
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
+        "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
+        "max_owned": plan.max_owned,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
