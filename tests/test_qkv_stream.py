@@ -281,6 +281,12 @@ def test_variant_and_template():
     assert sp.stream_config("bf16", 64, 96) == sp.stream_config("bf16", 16, 96) == StreamConfig(stages=6)
     assert sp.stream_config("bf16", 32, 256) == StreamConfig(stages=8, wgmma=True)
     assert sp.stream_config("bf16", 64, 64) == StreamConfig(stages=6, wgmma=True)
+    # the 64-token tile finishes heads in two slices of 32 tokens where those fit one per CTA
+    assert sp.stream_config("bf16", 64, 128, 40) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
+    assert sp.stream_config("bf16", 64, 128, 64) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
+    assert sp.stream_config("bf16", 64, 64, 80) == StreamConfig(stages=6, wgmma=True)
+    assert sp.stream_config("bf16", 32, 128, 40) == StreamConfig(stages=8, wgmma=True)
+    assert sp.stream_config("bf16", 64, 96, 40) == StreamConfig(stages=6)
     assert sp.stream_config("nvfp4", 64, 128) is None and sp.stream_config("bf16", 8, 128) is None
     assert {dict(v.params).get("design") for v in KDEF.variants(FLINT.replace(max_tokens=64), T132)} == {None}
     p = KDEF.render_params(F64, v)
@@ -371,9 +377,11 @@ def test_stream_wgmma_compiles_clean(name, max_m):
 # the spread finish (finish_tokens): both MMA kinds, head dims 64 / 96 / 128 / 256, fp8, slices of 8 and 16
 FIN16, FIN8 = StreamConfig(stages=6, wgmma=True, finish_tokens=16), StreamConfig(stages=6, wgmma=True, finish_tokens=8)
 FIN8_MMA = StreamConfig(stages=6, finish_tokens=8)
+FIN32 = StreamConfig(stages=6, wgmma=True, finish_tokens=32)   # the production rule's at 64 tokens (stream_config)
 FINISH_COMPILE = [("flint_bf16", 64, FIN16), ("flint_bf16", 64, FIN8), ("bf16_4096", 16, FIN8), ("oss_bf16", 64, FIN8),
                   ("h16384_bf16", 64, FIN16), ("d96_r24", 32, FIN8_MMA), ("glm4", 32, FIN16),
-                  ("oss_bf16_fp8", 64, FIN16), ("qwen3_1024", 64, FIN8)]
+                  ("oss_bf16_fp8", 64, FIN16), ("qwen3_1024", 64, FIN8), ("flint_bf16", 64, FIN32),
+                  ("oss_bf16", 64, FIN32), ("h16384_bf16", 64, FIN32)]
 
 
 def _fin_id(c):
@@ -461,7 +469,9 @@ def test_stream_wgmma_numerics(name, m):
 FINISH_CASES = ([("flint_bf16", m, FIN16) for m in (1, 7, 9, 16, 33, 63, 64)]
                 + [("flint_bf16", 40, FIN8), ("bf16_4096", 1, FIN8), ("bf16_4096", 64, FIN8), ("oss_bf16", 64, FIN8),
                    ("oss_bf16", 17, FIN16), ("h16384_bf16", 40, FIN16), ("d96_r24", 57, FIN8_MMA),
-                   ("glm4", 63, FIN16), ("qwen3_1024", 64, FIN8), ("qwen3_1024", 2, FIN8)])
+                   ("glm4", 63, FIN16), ("qwen3_1024", 64, FIN8), ("qwen3_1024", 2, FIN8), ("flint_bf16", 64, FIN32),
+                   ("flint_bf16", 33, FIN32), ("h16384_bf16", 64, FIN32), ("glm4", 40, FIN32), ("oss_bf16", 63, FIN32),
+                   ("bf16_4096", 48, FIN32)])
 
 
 @pytest.mark.gpu

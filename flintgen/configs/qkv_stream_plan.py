@@ -64,6 +64,8 @@ FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 16 and 32 tokens
+FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
+FINISH_MAX_HEADS = 64   # ... where the slices (2 per head) fit 128 CTAs, one each
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
@@ -104,7 +106,7 @@ class StreamConfig:
         return min(self.finish_tokens, max_m)
 
 
-def stream_config(weight_format: str, max_m: int, head_dim: int) -> "StreamConfig | None":
+def stream_config(weight_format: str, max_m: int, head_dim: int, heads: int = 0) -> "StreamConfig | None":
     """The streaming design's configuration for the token tile ``max_m`` of a
     spec, or None where the tile runs the cluster design
     (flintgen.configs.qkv_config.QKVConfig).
@@ -123,12 +125,23 @@ def stream_config(weight_format: str, max_m: int, head_dim: int) -> "StreamConfi
     0.3-0.8 us slower at M <= 8: one rule kept for both) and
     so do NVFP4 weights (dequantized in registers; the streaming template
     takes bf16 only). The register path (StreamConfig.prefetch) is not
-    selected (benchmarks/results/qkv_stream_register_path.md)."""
+    selected (benchmarks/results/qkv_stream_register_path.md).
+
+    ``heads``: q + 2 kv heads per rank. The 64-token wgmma tile of at most
+    FINISH_MAX_HEADS heads finishes heads in two slices of 32 tokens
+    (``finish_tokens``), measured (qkv_stream.md, 8fd9fb8): hidden 2048 / 4096
+    GEMV 12.11 / 19.70 us against 14.31 / 21.83 finished whole by the
+    completing CTA; slices of 16 or 8 tokens (2-3 per CTA) 13.8-14.4 /
+    21.5-22.6; at 16 / 32 tokens no slicing was faster (32: 9.89 / 17.32 with
+    two slices against 10.14 / 16.96)."""
     if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
         return None
     if block_rows_of(head_dim) % WARPGROUP_ROWS:
         return StreamConfig(stages=STREAM_STAGES)
-    return StreamConfig(stages=STREAM_STAGES if max_m > 32 else STREAM_STAGES_SMALL, wgmma=True)
+    if max_m > 32:
+        return StreamConfig(stages=STREAM_STAGES, wgmma=True,
+                            finish_tokens=FINISH_TOKENS if 0 < heads <= FINISH_MAX_HEADS else 0)
+    return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True)
 
 
 def block_rows_of(head_dim: int) -> int:
