@@ -468,6 +468,10 @@ def _long_specs():
     return [fp8_spec(g, d, kv=2, window=4096, max_batch=4) for g, d in ((1, 96), (7, 128), (2, 256), (16, 64))]
 
 
+# head_dim 64 past one wave of two single-split CTAs per SM (> 264 pairs): 4 CTAs per SM of 2 slots
+WAVE_SPECS = [fp8_spec(g, 64, kv=8, window=4096, sinks=g == 1, max_batch=40) for g in (1, 8)]
+WAVE_PLAN = [(None, 33), (None, 40), (4096, 40)]
+
 GRAPH_SPEC = fp8_spec(8, 128, kv=2, window=128, max_batch=48)
 GRAPH_PLAN = [(128, 2), (None, 3), (None, 40)]
 
@@ -480,6 +484,7 @@ def precompiled_fp8():
     plans += [(fp8_spec(c[0], c[1], page=c[2], sinks=c[3], softcap=c[6] is not None,
                         window=128 if c[4] is not None else None), [(c[4], len(c[5]))]) for c in EMULATED]
     plans += [(GRAPH_SPEC, [(w, b) for w in (128, None) for b in range(1, 49)])]
+    plans += [(s, WAVE_PLAN) for s in WAVE_SPECS]
     record(f"precompiled {precompile(plans, KDEF, toolchain.resolve_target(), _no_load)} fp8 variants")
 
 
@@ -511,6 +516,29 @@ def test_fp8_grid_shape(precompiled_fp8, gqa, head_dim):
         out = case.poisoned_out()
         op(*case.args(out), **case.kwargs())
         case.check(out, f"fp8 grid {spec.name} window={window} b={b} ks={ks} vs={vs} {cfg.as_params()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(WAVE_SPECS)))
+def test_fp8_d64_four_ctas_per_sm(precompiled_fp8, idx):
+    """B = 40 x 8 kv heads at head_dim 64 (320 pairs: the 4-CTA-per-SM launch, full attention and a 4096
+    window), and B = 33 (264 pairs: two per SM), edge lengths, fresh inputs, poisoned outputs."""
+    import flintgen
+
+    spec = WAVE_SPECS[idx]
+    op = flintgen.get_kernel(spec, "decode_attention")
+    assert op.config(40, False).ctas_per_sm == dac.FP8_D64_CTAS_PER_SM and op.config(33, False).ctas_per_sm == 2
+    rnd = random.Random(640 + idx)
+    for window, b in WAVE_PLAN:
+        cfg = op.config(b, window is not None)
+        lens = [rnd.randint(0, 3000) for _ in range(b)]
+        edges = [0, 1, 15, 16, 17, 4095, 4096, 4097]
+        lens[:len(edges)] = edges
+        case = Fp8Case(spec, lens, window, seed=rnd.randint(0, 2**31), k_scale=0.02, v_scale=0.01,
+                       as_uint8=b % 2 == 0)
+        out = case.poisoned_out()
+        op(*case.args(out), **case.kwargs())
+        case.check(out, f"fp8 d64 waves {spec.name} window={window} b={b} {cfg.as_params()}")
 
 
 @pytest.mark.gpu

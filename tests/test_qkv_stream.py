@@ -728,8 +728,9 @@ def test_ablation_patches_apply(wg):
 
 
 if __name__ == "__main__":
-    # python tests/test_qkv_stream.py --prebuild DIR [--no-other-configs]: compile the GPU tests' binaries for
-    # sm_90a / 132 SMs into DIR (--no-other-configs: not test_stream_other_configs' ring depths and paths)
+    # python tests/test_qkv_stream.py --prebuild DIR [--no-other-configs] [--finish-only]: compile the GPU tests'
+    # binaries for sm_90a / 132 SMs into DIR (--no-other-configs: not test_stream_other_configs' ring depths and
+    # paths; --finish-only: the spread finish's binaries alone)
     import concurrent.futures as cf
     import multiprocessing
     import os
@@ -746,6 +747,8 @@ if __name__ == "__main__":
         skip = {KDEF.variant(_ring_spec(mt)[1], config=c, max_m=tile, target=T132, debug=d)
                 for c, _, mt in CONFIGS for tile in token_tiles(mt) for d in (False, True)}
     todo = {(k.name, v): (k, s, v) for k, s, v in gpu_variants(T132) if v not in skip}
+    if "--finish-only" in sys.argv:   # the spread finish's tests alone (-k "finish or f8")
+        todo = {key: c for key, c in todo.items() if c[0] is not KDEF or dict(c[2].params).get("finish_tokens")}
     with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
         for f in [pool.submit(_build_one, s, k.name, v, T132, root) for k, s, v in todo.values()]:
             f.result()
