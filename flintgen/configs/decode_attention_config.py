@@ -300,12 +300,15 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool,
       SM are latency-bound where bf16 reads at the floor. Sweep run 17
       (2026-12-03), gpt-oss 64/8 d64 B=64 x 8k (512 pairs): 2 per SM 166.5
       (6 slots) / 164.1 (3); 4 per SM 136.9 (2) / 138.8 (3) / 138.4 (4);
-      3 per SM 211-214 (1.3 waves); no cap, 3 slots, 144.7 us. Not at
+      3 per SM 211-214 (1.3 waves); no cap, 3 slots, 144.7 us. 3 slots for
+      FP8_SLIDING_KEEP_BF16_SLOTS' long windows (their 2-slot binary spills
+      here too: 8 bytes at 80 registers). Not at
       head_dim 128 (64/8 d128 B=128 x 8k: 3 or 4 per SM 547 against 522).
     """
     if (cfg.head_dim == 64 and cfg.layout.num_tiles == 1 and cfg.num_splits == 1 and cfg.ctas_per_sm == 2
             and not cfg.cluster and waves_at_two > 1):
-        return replace(cfg, kv_dtype=kv_dtype, num_stages=2, ctas_per_sm=FP8_D64_CTAS_PER_SM)
+        keep = sliding and (cfg.head_dim, cfg.gqa) in FP8_SLIDING_KEEP_BF16_SLOTS   # their 2-slot binary spills
+        return replace(cfg, kv_dtype=kv_dtype, num_stages=3 if keep else 2, ctas_per_sm=FP8_D64_CTAS_PER_SM)
     fewer = sliding and (cfg.head_dim, cfg.gqa) not in FP8_SLIDING_KEEP_BF16_SLOTS
     stages = max(2, cfg.num_stages - 1) if fewer else cfg.num_stages
     while True:
