@@ -434,26 +434,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
 # wait for the counter to reach ``splits`` (every CTA of the grid has started
 # by then: dependents launch only after every CTA streamed, and the CTAs
 # still to arrive are running), then count again; the last to finish resets
-# the counter for the next launch.
-@cute.jit
-def wait_count(counter, target, tid):
-    """Thread 0 polls ``counter`` (acquire) until it reaches ``target``; the
-    barrier hands what it acquired to the CTA."""
-    if tid == 0:
-        while ptx.ld_acquire_i32(counter) < target:
-            ptx.nanosleep(Int32(32))
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def depart(counter, last, tid):
-    """A merging CTA is done: count it; the one that brings the counter to
-    ``last`` (every merger counted) resets it to 0."""
-    if tid == 0:
-        if ptx.atomic_add_acq_rel(counter, Int32(1)) == last:
-            ptx.stg_i32_relaxed(counter, Int32(0))
-
-
+# the counter for the next launch (flintgen.device.arrivals).
 @cute.jit
 def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks, head0, out_b, so1, rank, r_eff,
                  NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr, TH: cutlass.Constexpr,
