@@ -36,6 +36,8 @@ Emulated semantics:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import re
 import sys
 import threading
 import types
@@ -486,12 +488,20 @@ class _Launch:
         cx = int(cluster[0]) if cluster else 1
         self.pending = [(x0, y, z) for z in range(gz) for y in range(gy) for x0 in range(0, gx, cx)]
         self.lock = threading.Lock()
-        while True:
-            with self.lock:
-                if not self.pending:
-                    break
-                x0, y, z = self.pending.pop(0)
-            self._run_cluster([(x0 + r, y, z) for r in range(cx)], threads, cx > 1)
+        # Every thread of a cluster must run at once (barriers), and a CTA
+        # polling a counter runs the next CTA of its pair from its own thread:
+        # workers for the largest cluster (8 x 256) and its nesting, started as
+        # needed and all ended with the launch (none left idle in the process).
+        self.pool = cf.ThreadPoolExecutor(max_workers=8 * 256, thread_name_prefix="emulated-gpu-thread")
+        try:
+            while True:
+                with self.lock:
+                    if not self.pending:
+                        break
+                    x0, y, z = self.pending.pop(0)
+                self._run_cluster([(x0 + r, y, z) for r in range(cx)], threads, cx > 1)
+        finally:
+            self.pool.shutdown(wait=True)
 
     def run_next_of_pair(self, block):
         """Run the next pending (unclustered) CTA with ``block``'s (y, z)."""
@@ -522,24 +532,11 @@ class _Launch:
                 for w in cta.warps:
                     w.barrier.abort()
 
-        # Every thread of a cluster must run at once (barriers): the pool holds
-        # enough workers for the largest cluster (8 x 256) and reuses them.
-        futs = [_pool().submit(body, c, i) for c in ctas for i in range(threads)]
+        futs = [self.pool.submit(body, c, i) for c in ctas for i in range(threads)]
         for f in futs:
             f.result()
         if errors:
             raise errors[0]
-
-
-_POOL = []
-
-
-def _pool():
-    if not _POOL:
-        import concurrent.futures as cf
-
-        _POOL.append(cf.ThreadPoolExecutor(max_workers=8 * 256, thread_name_prefix="emulated-gpu-thread"))
-    return _POOL[0]
 
 
 def _kernel(fn):
@@ -554,6 +551,10 @@ def _identity(fn=None, **_):
 
 
 # ----------------------------------------------------------------- module loading
+# The device modules the decode kernel imports, in dependency order.
+_DEVICE_MODULES = ("arrivals", "paged_kv", "decode_mma", "attention_combine")
+
+
 def load(source: str, gmem: GlobalMemory):
     """Exec the rendered kernel module and its device modules against mocks;
     returns the kernel module's namespace."""
@@ -593,11 +594,19 @@ def load(source: str, gmem: GlobalMemory):
             "cuda": types.ModuleType("cuda"), "cuda.bindings": types.ModuleType("cuda.bindings"),
             "cuda.bindings.driver": driver, "flintgen.device": dev, "flintgen.device.ptx": ptx_mod,
             "flintgen.device.attn_ptx": ptx_mod}
-    saved = {k: sys.modules.get(k) for k in list(mods) + [f"flintgen.device.{n}" for n in
-                                                          ("paged_kv", "decode_mma", "attention_combine")]}
+    # Every device module the kernel imports runs here against the mocks: one
+    # missing from _DEVICE_MODULES would be the real (cute) module, or a real
+    # one some compile left in sys.modules, called from emulator threads.
+    imported = {n.strip() for line in re.findall(r"^from flintgen\.device import (.+)$", source, re.M)
+                for n in line.split(",")}
+    unknown = imported - set(_DEVICE_MODULES) - {"ptx", "attn_ptx"}
+    if unknown:
+        raise AssertionError(f"the kernel imports flintgen.device modules the emulator does not load: "
+                             f"{sorted(unknown)}; add them to da_emulator._DEVICE_MODULES")
+    saved = {k: sys.modules.get(k) for k in list(mods) + [f"flintgen.device.{n}" for n in _DEVICE_MODULES]}
     sys.modules.update(mods)
     try:
-        for name in ("paged_kv", "decode_mma", "attention_combine"):
+        for name in _DEVICE_MODULES:
             path = os.path.join(os.path.dirname(real_dev.__file__), name + ".py")
             m = types.ModuleType("flintgen.device." + name)
             sys.modules[m.__name__] = m
