@@ -383,6 +383,16 @@ def test_emulated_merge_by_several_ctas(monkeypatch, gqa, head_dim, warps, split
     case.check(out, f"emulated merge_ctas={merge} merge_from={merge_from} {cfg.as_params()} lens={lens}")
 
 
+def test_emulator_refuses_a_device_module_it_does_not_load():
+    """A kernel importing a device module the emulator does not run against its
+    mocks is refused (it would run the real cute module, or JIT it from the
+    emulator's threads), naming the module."""
+    import da_emulator
+
+    with pytest.raises(AssertionError, match=r"does not load: \['gemv'\]; add them to da_emulator._DEVICE_MODULES"):
+        da_emulator.load("from flintgen.device import arrivals, gemv, paged_kv, ptx\n", da_emulator.GlobalMemory(1024))
+
+
 def test_emulated_block_id_window_of_long_pages():
     """A warp with more than 32 slices of 32-token pages refreshes its
     block-id window (slice -> table entry slice // 2) and starts mid-page."""
