@@ -108,7 +108,7 @@ NOSCALE = (QUOTIENT, "    q = list(vals)   # ablation noscale\n", 1)
 DIV_RN = (QUOTIENT, "    q = [ptx.div_rn(v, scale.scale) for v in vals]   # ablation div_rn\n", 1)
 CVT_BF16 = [("ptx.e4m3x2(", "ptx.bf16x2(", 2),
             ("ptx.e4m3x4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3])", "ptx.bf16x2(q[4 * i], q[4 * i + 1])", 1)]
-NO_QUANT = ("LANES, KV_ELEM_BYTES, KV_FP8)", "LANES, KV_ELEM_BYTES, False)", 2)
+NO_QUANT = ("stride_head, KV_ELEM_BYTES, KV_FP8)", "stride_head, KV_ELEM_BYTES, False)", 1)   # KvPages(..., fp8)
 NOSTORE = ("""    if cutlass.const_expr(eb == 1):
         kv_quant.stg_bytes_run(dst, words, e)
     else:

@@ -21,8 +21,8 @@ elements, add nothing to the sum of squares and store nothing.
 
 ``slot(n)`` is ``slot_mapping[n]`` for ``n < len(slot_mapping)``, else -1; a
 negative slot writes nothing. Cache views are ``[blocks, block_size, kv_heads,
-D]`` with runtime strides (element units, last stride 1) of ``kv_eb``-byte
-elements (the rendered flintgen.layout KVDtype): bf16 (2 bytes), k and v rows
+D]`` with runtime strides (element units, last stride 1; ``KvPages``) of
+E-byte elements (the rendered flintgen.layout KVDtype): bf16 (2 bytes), k and v rows
 stored as the bf16 words they are computed in; fp8 e4m3 (1 byte), each of
 those bf16 values divided by the layer's ``kv_scale`` (k_scale / v_scale, a
 ``kv_quant.Scale``) and converted (flintgen.device.kv_quant: bit-exact with
@@ -33,6 +33,8 @@ either way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -109,27 +111,39 @@ def prefetch_tokens(slot_mapping, cos_sin, positions, rank, warp, lane, m, num_s
     return out
 
 
-def cache_row(slot, block_size, stride_block, stride_token):
-    """Element offset of a slot's token row in a cache view (``blk * stride_block
-    + off * stride_token``), or -1 for a negative slot: branch-free, so a
-    group's 64-bit divisions overlap."""
-    live = Int64(Int32(slot >= Int64(0)))
-    s = slot * live
-    blk = s // Int64(block_size)
-    row = blk * stride_block + (s - blk * Int64(block_size)) * stride_token
-    return row * live + (live - Int64(1))
+@dataclass(frozen=True)
+class KvPages:
+    """The paged KV cache the epilogue writes, k and v views alike: ``[blocks,
+    block_size, kv_heads, D]`` with runtime strides in elements (last stride
+    1) of ``elem_bytes``-byte elements (the rendered flintgen.layout KVDtype:
+    bf16 2, fp8 e4m3 1, ``fp8`` True). Built once per kernel from its
+    launch arguments (k_cache's strides: the host checks v_cache's match)."""
 
+    block_size: Int32
+    stride_block: Int64
+    stride_token: Int64
+    stride_head: Int64
+    elem_bytes: cutlass.Constexpr[int]
+    fp8: cutlass.Constexpr[bool]
 
-@cute.jit
-def cache_addr(cache: cute.Tensor, row: Int64, kv_head: Int32, d: Int32, stride_head: Int64,
-               kv_eb: cutlass.Constexpr[int]) -> Int64:
-    """Address of element d of a token's row (``cache_row``) in a cache view of
-    ``kv_eb``-byte elements, or 0 when the token has no slot (past
-    slot_mapping, or a negative slot)."""
-    addr = Int64(0)
-    if row >= Int64(0):
-        addr = cache.iterator.toint() + (row + Int64(kv_head) * stride_head + Int64(d)) * kv_eb
-    return addr
+    def row(self, slot):
+        """Element offset of a slot's token row (``blk * stride_block + off *
+        stride_token``), or -1 for a negative slot: branch-free, so a group's
+        64-bit divisions overlap."""
+        live = Int64(Int32(slot >= Int64(0)))
+        s = slot * live
+        blk = s // Int64(self.block_size)
+        row = blk * self.stride_block + (s - blk * Int64(self.block_size)) * self.stride_token
+        return row * live + (live - Int64(1))
+
+    @cute.jit
+    def addr(self, cache: cute.Tensor, row: Int64, kv_head: Int32, d: Int32) -> Int64:
+        """Address of element d of a token's row (``row``) in ``cache``, or 0
+        when the token has no slot (past slot_mapping, or a negative slot)."""
+        addr = Int64(0)
+        if row >= Int64(0):
+            addr = cache.iterator.toint() + (row + Int64(kv_head) * self.stride_head + Int64(d)) * self.elem_bytes
+        return addr
 
 
 @cute.jit
@@ -208,29 +222,24 @@ def finish_qk(
     q: cute.Tensor,
     k_cache: cute.Tensor,
     kv_scale,
+    pages: KvPages,
     head: Int32,
     warp: Int32,
     lane: Int32,
     m: Int32,
-    block_size: Int32,
-    stride_block: Int64,
-    stride_token: Int64,
-    stride_head: Int64,
     q_heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     token_iters: cutlass.Constexpr[int],
     has_qk_norm: cutlass.Constexpr[bool],
     has_rope: cutlass.Constexpr[bool],
     lanes: cutlass.Constexpr,
-    kv_eb: cutlass.Constexpr[int],
-    kv_fp8: cutlass.Constexpr[bool],
     tok0=None,
 ):
     """q or k head: optional per-head RMSNorm over all D dims (``norm_w`` =
     ``load_norm_weights``), optional RoPE of the rotary pairs (cos / sin in
-    ``tok``), one bf16 rounding; q to ``q``, k to its cache slot of ``kv_eb``-byte
-    elements (``kv_fp8``: those bf16 values / ``kv_scale``, a
-    ``kv_quant.Scale``, as e4m3; else the bf16 words, ``kv_scale`` None).
+    ``tok``), one bf16 rounding; q to ``q``, k to its slot of ``pages`` (fp8:
+    those bf16 values / ``kv_scale``, a ``kv_quant.Scale``, as e4m3; else
+    the bf16 words, ``kv_scale`` None).
     Warp w takes tokens ``tok0 + w + it warps`` (``tok0`` None: 0), rows of
     ``head_rows`` that hold the tokens' values from ``tok0`` on."""
     head_dim = lanes.head_dim
@@ -301,7 +310,7 @@ def finish_qk(
             krows[i] = Int64(-1)
         if head >= q_heads:
             for it in cutlass.range_constexpr(g0, g0 + group):
-                krows[it - g0] = cache_row(tok[it][0], block_size, stride_block, stride_token)
+                krows[it - g0] = pages.row(tok[it][0])
         for it in cutlass.range_constexpr(g0, g0 + group):
             n = warp + it * warps if tok0 is None else tok0 + warp + it * warps
             o1, o2, op = outs[it - g0]
@@ -311,15 +320,15 @@ def finish_qk(
                     dst = q.iterator.toint() + (Int64(n) * (q_heads * head_dim) + Int64(head * head_dim + d)) * Q_EB
                     _store_head(dst, o1, o2, op, lane, d, dp, lanes, Q_EB)
                 else:
-                    dst = cache_addr(k_cache, krow, head - q_heads, d, stride_head, kv_eb)
+                    dst = pages.addr(k_cache, krow, head - q_heads, d)
                     if dst != Int64(0):
-                        if cutlass.const_expr(kv_fp8):
+                        if cutlass.const_expr(pages.fp8):
                             if kv_scale.fast():   # uniform: the same scale in every thread
                                 _store_e4m3_head(dst, o1, o2, op, kv_scale, True, lane, d, dp, lanes)
                             else:
                                 _store_e4m3_head(dst, o1, o2, op, kv_scale, False, lane, d, dp, lanes)
                         else:
-                            _store_head(dst, o1, o2, op, lane, d, dp, lanes, kv_eb)
+                            _store_head(dst, o1, o2, op, lane, d, dp, lanes, pages.elem_bytes)
 
 
 @cute.jit
@@ -328,22 +337,17 @@ def finish_v(
     tok,
     v_cache: cute.Tensor,
     kv_scale,
+    pages: KvPages,
     kv_head: Int32,
     warp: Int32,
     lane: Int32,
     m: Int32,
-    block_size: Int32,
-    stride_block: Int64,
-    stride_token: Int64,
-    stride_head: Int64,
     warps: cutlass.Constexpr[int],
     token_iters: cutlass.Constexpr[int],
     lanes: cutlass.Constexpr,
-    kv_eb: cutlass.Constexpr[int],
-    kv_fp8: cutlass.Constexpr[bool],
     tok0=None,
 ):
-    """v head: the rows' bits go to the cache slot unchanged (``kv_fp8``:
+    """v head: the rows' bits go to the slot of ``pages`` unchanged (fp8:
     their values / ``kv_scale``, a ``kv_quant.Scale``, as e4m3); lane l <
     v_lanes owns [E l, E l + E) and [D/2 + E l, ..) (E = v_e). Tokens as
     ``finish_qk``'s."""
@@ -355,23 +359,22 @@ def finish_v(
         n = warp + it * warps if tok0 is None else tok0 + warp + it * warps
         if n < m:
             row = ptx.smem_addr(head_rows) + Int32(n * head_dim * 2)
-            if cutlass.const_expr(kv_fp8):
+            if cutlass.const_expr(pages.fp8):
                 w1 = ldst.lds_bf16_run(row + d * 2, e)             # Float32 values, converted below
                 w2 = ldst.lds_bf16_run(row + (d + half) * 2, e)
             else:
                 w1 = ldst.lds_words_run(row + d * 2, e)
                 w2 = ldst.lds_words_run(row + (d + half) * 2, e)
-            dst = cache_addr(v_cache, cache_row(tok[it][0], block_size, stride_block, stride_token), kv_head, d,
-                             stride_head, kv_eb)
+            dst = pages.addr(v_cache, pages.row(tok[it][0]), kv_head, d)
             if cutlass.const_expr(lanes.v_lanes < 32):
                 if lane >= lanes.v_lanes:
                     dst = Int64(0)
             if dst != Int64(0):
-                if cutlass.const_expr(kv_fp8):
+                if cutlass.const_expr(pages.fp8):
                     if kv_scale.fast():   # uniform: the same scale in every thread
                         _store_e4m3_v(dst, w1, w2, kv_scale, True, e, half)
                     else:
                         _store_e4m3_v(dst, w1, w2, kv_scale, False, e, half)
                 else:
-                    _store_run(dst, w1, e, kv_eb)
-                    _store_run(dst + half * kv_eb, w2, e, kv_eb)
+                    _store_run(dst, w1, e, pages.elem_bytes)
+                    _store_run(dst + half * pages.elem_bytes, w2, e, pages.elem_bytes)
