@@ -462,6 +462,21 @@ def _fp8_row_label(spec, b, L, window):
     return f"{spec.name} {_label(spec)} d{spec.head_dim} B={b} L={L // 1024}k" + (f" w{window}" if window else "")
 
 
+def fp8_rows(select=None):
+    """FP8_ROWS whose label (``_fp8_row_label``, as ``--fp8 --list`` prints
+    it) contains one of the comma-separated strings of ``select`` (None:
+    every row), in table order. A string that matches no row is refused."""
+    if select is None:
+        return FP8_ROWS
+    pats = [p.strip() for p in select.split(",") if p.strip()]
+    labels = [_fp8_row_label(*r) for r in FP8_ROWS]
+    unmatched = [p for p in pats if not any(p in lab for lab in labels)]
+    if not pats or unmatched:
+        raise ValueError(f"--rows {select!r}: {unmatched or 'nothing'} matches no --fp8 row; give parts of the "
+                         f"labels that --fp8 --list prints, e.g. '64/8 d64 B=64 L=8k'")
+    return [r for r, lab in zip(FP8_ROWS, labels) if any(p in lab for p in pats)]
+
+
 def _err(e):
     return "—" if e is None else f"{e:.2e}"
 
@@ -483,7 +498,8 @@ def _first_outputs(fns):
 
 
 def fp8_table(runs, bw, rows=FP8_ROWS):
-    """The --fp8 table: per row one ``Fp8Case`` (its ``fp8_copies`` caches),
+    """The --fp8 table (``rows`` a selection: decode_attention_fp8_rows, so
+    the whole table's files stay): per row one ``Fp8Case`` (its ``fp8_copies`` caches),
     checked once against the fp64 reference (flintgen fp8, flintgen bf16 on
     the dequantized copy, XQA-fp8; eager calls, which also load the kernels
     and JIT-compile XQA before any graph is captured), then the three timed
@@ -532,7 +548,7 @@ def fp8_table(runs, bw, rows=FP8_ROWS):
               f"err fp8 {_err(fp8_err)} xqa {_err(xqa_err)}", flush=True)
         del fns, outs, case
         torch.cuda.empty_cache()
-    print(write_results("decode_attention_fp8", out, bw,
+    print(write_results("decode_attention_fp8" if rows is FP8_ROWS else "decode_attention_fp8_rows", out, bw,
                         f"fp8 e4m3 KV cache, k_scale = v_scale = {FP8_KV_SCALE:g} (XQA takes one kv scale), sinks "
                         "on, 16-token pages permuted. flintgen µs = flintgen fp8; floor = attended e4m3 K|V bytes / "
                         "read bandwidth, % of floor likewise; flintgen bf16 = flintgen's bf16 kernel on the "
@@ -562,14 +578,14 @@ def fp8_table(runs, bw, rows=FP8_ROWS):
                       _short(v, 300))
 
 
-def fp8_listing(target, l2_bytes=None):
+def fp8_listing(target, l2_bytes=None, rows=FP8_ROWS):
     """The --fp8 row plan (no GPU): each row's copies, attended e4m3 bytes
     and caches, what flintgen's specs accept, and XQA's JIT modules."""
     from flintgen.kernels import KERNELS
 
     l2 = l2_bytes or NOMINAL_L2_BYTES
     lines, modules, peak = [], set(), 0
-    for spec, b, L, window in FP8_ROWS:
+    for spec, b, L, window in rows:
         copies = fp8_copies(spec, b, L, window, l2)
         attended = kv_bytes(spec, [L] * b, window, "fp8_e4m3")
         mem = copies * 3 * kv_bytes(spec, [L] * b, None, "fp8_e4m3")
@@ -585,7 +601,7 @@ def fp8_listing(target, l2_bytes=None):
         lines.append(f"  {_fp8_row_label(spec, b, L, window)}: {copies} copies, e4m3 K|V read "
                      f"{attended / 1e6:.2f} MB per call, caches {mem / 1e9:.2f} GB (bf16 + e4m3)"
                      + (f"; flintgen refuses {'; '.join(refused)}" if refused else ""))
-    head = (f"--fp8: {len(FP8_ROWS)} rows, {len(modules)} XQA fp8 modules to JIT-compile, at most "
+    head = (f"--fp8: {len(rows)} rows, {len(modules)} XQA fp8 modules to JIT-compile, at most "
             f"{peak / 1e9:.1f} GB of caches at once; L2 {l2 / 2**20:.0f} MiB"
             + ("" if l2_bytes else " assumed (a GPU run reads its own)")
             + f"; k_scale = v_scale = {FP8_KV_SCALE:g}")
@@ -596,16 +612,20 @@ def fp8_main(args):
     """--fp8: --list (no GPU), --prebuild DIR (no GPU), or the table."""
     from flintgen import toolchain
 
+    try:
+        rows = fp8_rows(args.rows)
+    except ValueError as e:
+        raise SystemExit(f"benchmarks.decode_attention: {e}") from None
     if args.list:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else None
-        print(fp8_listing(toolchain.resolve_target(cpu_default=True), l2))
+        print(fp8_listing(toolchain.resolve_target(cpu_default=True), l2, rows))
         return
     if args.prebuild:
-        plan = [(s, b, w is not None) for s0, b, _, w in FP8_ROWS for s in (s0, fp8_spec(s0))]
+        plan = [(s, b, w is not None) for s0, b, _, w in rows for s in (s0, fp8_spec(s0))]
         n = _precompile(plan, toolchain.resolve_target(arch="sm_90a", num_sms=132), os.path.abspath(args.prebuild))
         print(f"prebuilt {n} decode-attention variants (bf16 and fp8) into {args.prebuild}")
         return
-    fp8_table(args.runs or 3, read_bandwidth())
+    fp8_table(args.runs or 3, read_bandwidth(), rows)
 
 
 def main():
@@ -623,6 +643,8 @@ def main():
                          "errors vs fp64 (decode_attention_fp8.{md,json}); --list, --prebuild DIR")
     ap.add_argument("--group", help="--models: the group of rows to time (1, 2; all = every row)")
     ap.add_argument("--only", help="--models: comma-separated model names instead of a group")
+    ap.add_argument("--rows", help="--fp8: only the rows whose --list label contains one of these comma-separated "
+                                   "strings (results: decode_attention_fp8_rows)")
     ap.add_argument("--list", action="store_true", help="--models / --fp8: print the row plan and exit (no GPU)")
     ap.add_argument("--prebuild", metavar="DIR",
                     help="--models / --fp8: compile the group's (--fp8: the rows', bf16 and fp8) flintgen variants "
@@ -630,6 +652,8 @@ def main():
     ap.add_argument("--merge", action="store_true",
                     help="--models: join results/decode_attention_models_g*.json into decode_attention_models")
     args = ap.parse_args()
+    if args.rows and not args.fp8:
+        ap.error("--rows selects --fp8 rows: add --fp8")
     if args.models:
         models_main(args)
         return

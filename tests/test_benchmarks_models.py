@@ -90,3 +90,17 @@ def test_results_with_a_refused_row(tmp_path):
     assert "| x | — | 3.00 | — | 4.00 |" in md and "| y | 2.00 | 1.00 | 50% | 4.00 |" in md
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["rows"][0]["pct_of_floor"] is None and data["meta"]["device"] == "H200"
+
+
+def test_fp8_rows_selects_by_label():
+    """--fp8 --rows: the rows whose label contains one of the strings, in table order."""
+    assert da.fp8_rows() is da.FP8_ROWS
+    rows = da.fp8_rows("64/8 d64 B=64 L=8k, 64/8 d128 B=32")
+    assert [da._fp8_row_label(*r) for r in rows] == ["flint 64/8 d128 B=32 L=8k w128", "gpt-oss-20b 64/8 d64 B=64 L=8k"]
+    assert len(da.fp8_rows("gpt-oss-20b")) == 12
+
+
+@pytest.mark.parametrize("select", ["B=3 L", " , ", "64/8 d64 B=64 L=8k,nope"])
+def test_fp8_rows_refuses_a_string_matching_no_row(select):
+    with pytest.raises(ValueError, match=r"matches no --fp8 row; give parts of the labels that --fp8 --list prints"):
+        da.fp8_rows(select)
