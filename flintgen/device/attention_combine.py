@@ -45,6 +45,8 @@ sized by the G real heads (padded heads store, load and merge nothing)::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -57,6 +59,22 @@ from flintgen.device.decode_mma import pv_dims
 from flintgen.layout import HEAD_TILE
 
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class CombineShape:
+    """The compile-time shape every merge step of a variant shares, rendered
+    once (the template's ``COMBINE``): ``splits`` (NSPLIT, the variant's
+    static splits), ``warps`` (NW per CTA), ``dims`` (E, the epilogue's
+    consecutive dims of one head per thread), ``head_dim`` (D),
+    ``tile_heads`` (TH, heads computed) and ``gqa`` (G, real heads)."""
+
+    splits: cutlass.Constexpr[int]
+    warps: cutlass.Constexpr[int]
+    dims: cutlass.Constexpr[int]
+    head_dim: cutlass.Constexpr[int]
+    tile_heads: cutlass.Constexpr[int]
+    gqa: cutlass.Constexpr[int]
 
 
 def warp_scratch(tile_heads: int, head_dim: int) -> int:
@@ -136,13 +154,13 @@ def norm_factor(l, m_s, sink_s, v_scale=None):
 
 
 @cute.jit
-def cta_combine(acc, ml, scratch, warp, g, t, eh, ed, scale_log2, o,
-                NW: cutlass.Constexpr, E: cutlass.Constexpr, D: cutlass.Constexpr):
+def cta_combine(acc, ml, scratch, warp, g, t, eh, ed, scale_log2, o, shape: cutlass.Constexpr):
     """Merge the warps' partials through shared memory (``scratch``: the ring,
     free once every warp has consumed its slices). ``acc`` per the
     ``decode_mma`` layout; ``ml`` = (m0, m1, l0, l1) per head tile, ``l``
     already summed over the warp. Fills ``o`` (E floats) and returns
     ``(m_cta, l_cta)`` for head ``eh``."""
+    NW, E, D = shape.warps, shape.dims, shape.head_dim
     T = len(ml) // 4
     TH = HEAD_TILE * T
     WS = warp_scratch(TH, D)
@@ -213,9 +231,10 @@ def store_zeros(out_row, ed, E: cutlass.Constexpr):
 
 
 @cute.jit
-def store_head(out_row, eh, ed, o, inv, E: cutlass.Constexpr, G: cutlass.Constexpr, TH: cutlass.Constexpr):
+def store_head(out_row, eh, ed, o, inv, shape: cutlass.Constexpr):
     """``store_out`` for head ``eh`` of a TH-head tile: heads ``>= G`` are mma
     padding (GQA 4 in a tile of 8) and are not written."""
+    E, G, TH = shape.dims, shape.gqa, shape.tile_heads
     if cutlass.const_expr(TH > G):
         if eh < G:
             store_out(out_row, ed, o, inv, E)
@@ -224,8 +243,9 @@ def store_head(out_row, eh, ed, o, inv, E: cutlass.Constexpr, G: cutlass.Constex
 
 
 @cute.jit
-def store_head_zeros(out_row, eh, ed, E: cutlass.Constexpr, G: cutlass.Constexpr, TH: cutlass.Constexpr):
+def store_head_zeros(out_row, eh, ed, shape: cutlass.Constexpr):
     """``store_zeros`` for head ``eh`` of a TH-head tile (padded heads skipped)."""
+    E, G, TH = shape.dims, shape.gqa, shape.tile_heads
     if cutlass.const_expr(TH > G):
         if eh < G:
             store_zeros(out_row, ed, E)
@@ -234,11 +254,11 @@ def store_head_zeros(out_row, eh, ed, E: cutlass.Constexpr, G: cutlass.Constexpr
 
 
 @cute.jit
-def publish_partial(po_row, pml_row, eh, ed, o, m_cta, l_cta, E: cutlass.Constexpr, D: cutlass.Constexpr,
-                    G: cutlass.Constexpr, TH: cutlass.Constexpr):
+def publish_partial(po_row, pml_row, eh, ed, o, m_cta, l_cta, shape: cutlass.Constexpr):
     """Store this split's partial (``po_row``/``pml_row``: byte addresses of
     its part_o / part_ml rows, sized by the G real heads: padded heads
     ``eh >= G`` store nothing)."""
+    E, D, G, TH = shape.dims, shape.head_dim, shape.gqa, shape.tile_heads
     if cutlass.const_expr(TH > G):
         if eh < G:
             _publish(po_row, pml_row, eh, ed, o, m_cta, l_cta, E, D, G)
@@ -381,8 +401,7 @@ def _head_weights(ml_smem, num_splits, lane, h, scale_log2, NSPLIT: cutlass.Cons
 
 @cute.jit
 def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_log2, sink_s, out_row,
-                   o, NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
-                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr, v_scale=None):
+                   o, shape: cutlass.Constexpr, v_scale=None):
     """Last CTA of a (request, kv head): merge the ``num_splits`` fp32 partials
     at ``po_base``/``pml_base`` (rows of split 0, G real heads each) and write
     the output of the real heads (padded heads ``eh >= G`` load nothing and
@@ -390,6 +409,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
 
     ``ml_smem``: shared scratch of ``2 G * NSPLIT + 2 G`` floats (m, l table,
     then the per-head merged m * c and l); ``v_scale``: ``inv_norm``."""
+    NSPLIT, NW, E, D, TH, G = shape.splits, shape.warps, shape.dims, shape.head_dim, shape.tile_heads, shape.gqa
     MLR = 2 * G         # floats per split row of the m / l table
     ROW = G * D * 4     # bytes per split row of part_o
     # Rounds of RCH splits keep 128 / E x E = 128 floats of loads in flight per
@@ -423,7 +443,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
                 _load_round(vs, o_base, r0, num_loads, RCH, E, ROW)
             _sum_round(o, vs, ml_smem, r0, num_splits, hr, MLR, G, min(RCH, NSPLIT - r0), E)
     inv = norm_factor(l_all, m_all_s, sink_s, v_scale)
-    store_head(out_row, eh, ed, o, inv, E, G, TH)
+    store_head(out_row, eh, ed, o, inv, shape)
 
 
 # ---------------------------------------------------------------- merge by several CTAs
@@ -437,8 +457,7 @@ def combine_splits(po_base, pml_base, num_splits, eh, ed, tid, ml_smem, scale_lo
 # the counter for the next launch (flintgen.device.arrivals).
 @cute.jit
 def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks, head0, out_b, so1, rank, r_eff,
-                 NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, D: cutlass.Constexpr, TH: cutlass.Constexpr,
-                 G: cutlass.Constexpr, MC: cutlass.Constexpr, EM: cutlass.Constexpr, v_scale=None):
+                 shape: cutlass.Constexpr, MC: cutlass.Constexpr, EM: cutlass.Constexpr, v_scale=None):
     """Merger ``rank`` of ``r_eff``: merge head groups ``rank, rank + r_eff, ..``
     (``MC`` groups of ``TH / MC`` heads) and write their real heads (padded
     heads load nothing). Thread ``tid`` owns ``EM`` (1, 2 or 4) consecutive
@@ -446,6 +465,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
     coalesced row segment per split. The first group's loads (every split
     while ``NSPLIT * EM <= 128``) are issued before the m / l table is
     staged, so both share one L2 round trip."""
+    NSPLIT, NW, D, TH, G = shape.splits, shape.warps, shape.head_dim, shape.tile_heads, shape.gqa
     HG = TH // MC
     MLR = 2 * G
     ROW = G * D * 4
@@ -491,8 +511,7 @@ def merge_groups(po_base, pml_base, num_splits, tid, ml_smem, scale_log2, sinks,
 
 @cute.jit
 def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale_log2, out_b, so1,
-                   NSPLIT: cutlass.Constexpr, NW: cutlass.Constexpr, E: cutlass.Constexpr,
-                   D: cutlass.Constexpr, TH: cutlass.Constexpr, G: cutlass.Constexpr, v_scale=None):
+                   shape: cutlass.Constexpr, v_scale=None):
     """Merge the splits of a (request, kv head) inside its cluster: every CTA
     sends rank r the dims ``[r * DPR, (r + 1) * DPR)`` of its partial O (plus
     m and l) through DSMEM; after one cluster barrier each rank merges all
@@ -502,6 +521,7 @@ def cluster_reduce(cbuf, rank, tid, eh, ed, o, m_cta, l_cta, sinks, head0, scale
     ``[split][head]``, then l ``[split][head]`` (fp32, TH heads). The caller
     has done ``cluster_arrive_relaxed`` early; the wait here makes sure every
     peer is running before its shared memory is written."""
+    NSPLIT, NW, E, D, TH, G = shape.splits, shape.warps, shape.dims, shape.head_dim, shape.tile_heads, shape.gqa
     DPR = D // NSPLIT
     M_OFF = NSPLIT * TH * DPR
     L_OFF = M_OFF + TH * NSPLIT
