@@ -36,8 +36,8 @@ Emulated semantics:
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures as cf
-import re
 import sys
 import threading
 import types
@@ -555,6 +555,18 @@ def _identity(fn=None, **_):
 _DEVICE_MODULES = ("arrivals", "paged_kv", "decode_mma", "attention_combine")
 
 
+def _device_imports(source: str) -> set:
+    """The flintgen.device modules ``source`` imports (``from flintgen.device
+    import a, b`` and ``from flintgen.device.a import ...``)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "flintgen.device":
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flintgen.device."):
+            out.add(node.module.split(".")[2])
+    return out
+
+
 def load(source: str, gmem: GlobalMemory):
     """Exec the rendered kernel module and its device modules against mocks;
     returns the kernel module's namespace."""
@@ -597,9 +609,9 @@ def load(source: str, gmem: GlobalMemory):
     # Every device module the kernel imports runs here against the mocks: one
     # missing from _DEVICE_MODULES would be the real (cute) module, or a real
     # one some compile left in sys.modules, called from emulator threads.
-    imported = {n.strip() for line in re.findall(r"^from flintgen\.device import (.+)$", source, re.M)
-                for n in line.split(",")}
-    unknown = imported - set(_DEVICE_MODULES) - {"ptx", "attn_ptx"}
+    sources = [source] + [open(os.path.join(os.path.dirname(real_dev.__file__), n + ".py")).read()
+                          for n in _DEVICE_MODULES]
+    unknown = set().union(*map(_device_imports, sources)) - set(_DEVICE_MODULES) - {"ptx", "attn_ptx"}
     if unknown:
         raise AssertionError(f"the kernel imports flintgen.device modules the emulator does not load: "
                              f"{sorted(unknown)}; add them to da_emulator._DEVICE_MODULES")

@@ -391,6 +391,9 @@ def test_emulator_refuses_a_device_module_it_does_not_load():
 
     with pytest.raises(AssertionError, match=r"does not load: \['gemv'\]; add them to da_emulator._DEVICE_MODULES"):
         da_emulator.load("from flintgen.device import arrivals, gemv, paged_kv, ptx\n", da_emulator.GlobalMemory(1024))
+    # the device modules' own imports count too (``from flintgen.device.x import ...``)
+    assert da_emulator._device_imports("from flintgen.device.reduce import warp_sum\n"
+                                       "from flintgen.device import (\n    ptx,\n    rope,\n)\n") == {"reduce", "ptx", "rope"}
 
 
 def test_emulated_block_id_window_of_long_pages():
