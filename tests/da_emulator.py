@@ -609,9 +609,13 @@ def load(source: str, gmem: GlobalMemory):
     # Every device module the kernel imports runs here against the mocks: one
     # missing from _DEVICE_MODULES would be the real (cute) module, or a real
     # one some compile left in sys.modules, called from emulator threads.
-    sources = [source] + [open(os.path.join(os.path.dirname(real_dev.__file__), n + ".py")).read()
-                          for n in _DEVICE_MODULES]
-    unknown = set().union(*map(_device_imports, sources)) - set(_DEVICE_MODULES) - {"ptx", "attn_ptx"}
+    paths = {n: os.path.join(os.path.dirname(real_dev.__file__), n + ".py") for n in _DEVICE_MODULES}
+    texts = {}
+    for n, path in paths.items():
+        with open(path) as f:
+            texts[n] = f.read()
+    unknown = (set().union(*map(_device_imports, [source, *texts.values()]))
+               - set(_DEVICE_MODULES) - {"ptx", "attn_ptx"})
     if unknown:
         raise AssertionError(f"the kernel imports flintgen.device modules the emulator does not load: "
                              f"{sorted(unknown)}; add them to da_emulator._DEVICE_MODULES")
@@ -619,12 +623,10 @@ def load(source: str, gmem: GlobalMemory):
     sys.modules.update(mods)
     try:
         for name in _DEVICE_MODULES:
-            path = os.path.join(os.path.dirname(real_dev.__file__), name + ".py")
             m = types.ModuleType("flintgen.device." + name)
             sys.modules[m.__name__] = m
             setattr(dev, name, m)
-            with open(path) as f:
-                exec(compile(f.read(), path, "exec"), m.__dict__)
+            exec(compile(texts[name], paths[name], "exec"), m.__dict__)
         ns = {"__name__": "emulated_decode_attention"}
         exec(compile(source, "<decode_attention module>", "exec"), ns)
     finally:
