@@ -34,25 +34,20 @@ def model_shape(q_heads, kv_heads, head_dim, window=None):
 # the head_dim-96 / -256 rules, long windows and min_pages above 8 pairs.
 OSS = model_shape(64, 8, 64)     # gpt-oss 64/8 heads, head_dim 64
 
-# Run 16 (results/decode_attention_sweep.md) set the fp8 ring slots. Run 17: the
-# two rows fp8 still lost to XQA-fp8 (results/decode_attention_fp8.md), now with
-# more CTAs per SM (1-byte slices halve a CTA's ring, so 3-4 fit where bf16 fit 2).
+# Run 16 (results/decode_attention_sweep.md) set the fp8 ring slots; run 17 the
+# CTAs per SM of fp8 head_dim-64 single-split launches (4). Run 18: how stable
+# that row is from pass to pass (the --fp8 rows table saw a spread of 12 us on
+# it) against deeper rings at the same occupancy; --passes times every
+# candidate once per pass, interleaved.
 def _f8(*a, **kw):
     return C(*a, **kw, kv_dtype="fp8_e4m3")
 
 
-W64 = model_shape(64, 8, 128).replace(kv_cache_dtype="fp8_e4m3")
 OSS8 = OSS.replace(kv_cache_dtype="fp8_e4m3")
 ROWS = {
     "fp8 oss 64/8 d64 B=64 L=8k": (OSS8, 64, 8192, None, [
-        _f8(1, 4, 6, 1, False, 2, 64, 8), _f8(1, 4, 3, 1, False, 2, 64, 8), _f8(1, 4, 2, 1, False, 4, 64, 8),
-        _f8(1, 4, 3, 1, False, 4, 64, 8), _f8(1, 4, 4, 1, False, 4, 64, 8), _f8(1, 4, 3, 1, False, 3, 64, 8),
-        _f8(1, 4, 4, 1, False, 3, 64, 8), _f8(1, 4, 3, 1, False, 0, 64, 8)]),
-    "fp8 64/8 d128 B=32 w128": (W64.replace(layer_types=("sliding",), sliding_window=128), 32, 8192, 128, [
-        _f8(1, 4, 2, 1, False, 0, 128, 8), _f8(1, 4, 2, 1, False, 2, 128, 8), _f8(1, 4, 3, 1, False, 2, 128, 8),
-        _f8(2, 4, 2, 1, False, 0, 128, 8), _f8(2, 4, 2, 1, False, 4, 128, 8)]),
-    "fp8 64/8 d128 B=128 L=8k": (W64, 128, 8192, None, [
-        _f8(1, 4, 3, 2, False, 2, 128, 8), _f8(1, 4, 3, 2, False, 3, 128, 8), _f8(1, 4, 2, 2, False, 4, 128, 8)]),
+        _f8(1, 4, 2, 1, False, 4, 64, 8), _f8(1, 4, 3, 1, False, 4, 64, 8), _f8(1, 4, 4, 1, False, 4, 64, 8),
+        _f8(1, 4, 6, 1, False, 2, 64, 8)]),
 }
 
 
@@ -89,12 +84,14 @@ def build(shard: int = 0, shards: int = 1):
         print("built", row, cfg, flush=True)
 
 
-def time_all(only: str = ""):
+def time_all(only: str = "", passes: int = 0):
     import torch
 
     from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
     from benchmarks.harness import time_graph
 
+    if passes:
+        return time_passes(only, passes)
     print("| row | config (splits, warps, stages, min_pages, cluster, ctas/SM) | µs | vs default |")
     print("|---|---|---|---|")
     for row, (base, batch, L, window, cands) in ROWS.items():
@@ -125,13 +122,58 @@ def time_all(only: str = ""):
                   flush=True)
 
 
+def _case(spec, batch, L, window):
+    """The row's inputs: e4m3 caches rotated as --fp8 rotates them (beyond L2), else bf16 ones."""
+    import torch
+
+    from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
+
+    if spec.kv_cache_dtype == "fp8_e4m3":
+        copies = fp8_copies(spec, batch, L, window, torch.cuda.get_device_properties(0).L2_cache_size)
+        return Fp8Case(spec.replace(kv_cache_dtype="bf16"), batch, [L] * batch, window, copies=copies)
+    return Case(spec, batch, [L] * batch, window)
+
+
+def time_passes(only: str, passes: int):
+    """Every candidate of a row once per pass (a CUDA-graph replay median each), the candidates interleaved
+    within a pass; per candidate the passes' values, their median and spread (max - min)."""
+    from benchmarks.harness import time_graph
+
+    print("| row | config (splits, warps, stages, min_pages, cluster, ctas/SM) | passes µs | median µs | spread µs |")
+    print("|---|---|---|---|---|")
+    for row, (base, batch, L, window, cands) in ROWS.items():
+        if only not in row:
+            continue
+        case, runs = None, [[] for _ in cands]
+        for _ in range(passes):
+            for i, cfg in enumerate(cands):
+                spec = _spec(row, i, base, batch)
+                with forced(cfg):
+                    case = case or _case(spec, batch, L, window)
+                    flintgen.warmup(spec, ["decode_attention"])
+                    if spec.kv_cache_dtype == "fp8_e4m3":
+                        case.spec8 = spec
+                        fn = case.fp8_fn()
+                    else:
+                        case.spec = spec
+                        fn = case.flintgen_fn()
+                    runs[i].append(time_graph(fn)["median_us"])
+        for i, cfg in enumerate(cands):
+            v = sorted(runs[i])
+            tag = " (default)" if i == 0 else ""
+            print(f"| {row} | {tuple(cfg.as_params().values())}{tag} | {' / '.join(f'{x:.2f}' for x in runs[i])} "
+                  f"| {v[len(v) // 2]:.2f} | {v[-1] - v[0]:.2f} |", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", action="store_true")
     ap.add_argument("--only", default="", help="time the rows whose name contains this")
     ap.add_argument("--shard", default="0/1", help="with --build: i/n, every n-th candidate from the i-th")
+    ap.add_argument("--passes", type=int, default=0,
+                    help="time every candidate once per pass, interleaved, and print each pass (else the best of 3)")
     a = ap.parse_args()
     if a.build:
         build(*map(int, a.shard.split("/")))
     else:
-        time_all(a.only)
+        time_all(a.only, a.passes)

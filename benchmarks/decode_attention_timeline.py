@@ -1,0 +1,245 @@
+"""Where a decode-attention launch spends its time inside a CUDA-graph replay
+(issue 17: the window-128 row that XQA-fp8 still wins), per CTA: the row's
+production kernel with timestamps (a text patch of the rendered module, like
+qkv_stream_ablation; the outputs are still computed), thread 0 of each CTA
+writing ``%globaltimer`` at entry and exit and ``%clock64`` at five points:
+
+    entry -> after the grid-dependency wait -> K/V streamed and attended
+    (warp 0's slices) -> CTA combine done -> output stored
+
+into a stamp buffer of its own per call, passed where the single-split
+kernel has its (unused) partials. 20 calls (caches rotated as ``--fp8``
+rotates them) are captured in one graph and replayed; the last replay's
+stamps give per call: its span (first CTA entry to last CTA exit), how far it
+overlaps the previous call (PDL), and per CTA the phases' medians / p90 in
+µs (clock64 scaled by the CTA's own globaltimer span).
+
+    python -m benchmarks.decode_attention_timeline --prebuild DIR   # CPU: the patched binaries for sm_90a
+    python -m benchmarks.decode_attention_timeline                  # GPU: the table
+
+Rows: the fp8 and bf16 kernels of 64/8 d128 B=32 window 128 (the goal row)
+and gpt-oss 64/8 d64 B=64 window 128 (XQA-fp8 within 0.2 us there).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from flintgen import cache, codegen, toolchain
+from flintgen.kernels import KERNELS
+
+KDEF = KERNELS["decode_attention"]
+STAMPS = 8   # u64 per CTA: gt entry, clk entry, clk waited, clk streamed, clk combined, clk stored, gt exit, smid
+
+HELPERS = '''
+from cutlass.cutlass_dsl import dsl_user_op as _dsl_user_op
+from flintgen.device.ptx import _asm as _stamp_asm
+
+
+@_dsl_user_op
+def _gt(addr, *, loc=None, ip=None):
+    _stamp_asm([], [(Int64, addr)], "{ .reg .u64 t; mov.u64 t, %globaltimer; st.global.u64 [$0], t; }",
+               side_effects=True, loc=loc, ip=ip)
+
+
+@_dsl_user_op
+def _clk(addr, *, loc=None, ip=None):
+    _stamp_asm([], [(Int64, addr)], "{ .reg .u64 t; mov.u64 t, %clock64; st.global.u64 [$0], t; }",
+               side_effects=True, loc=loc, ip=ip)
+
+
+@_dsl_user_op
+def _smid(addr, *, loc=None, ip=None):
+    _stamp_asm([], [(Int64, addr)], "{ .reg .u32 s; .reg .u64 w; mov.u32 s, %smid; cvt.u64.u32 w, s; "
+               "st.global.u64 [$0], w; }", side_effects=True, loc=loc, ip=ip)
+'''
+I8 = " " * 8
+I12 = " " * 12
+PATCHES = [
+    ("from flintgen.device import arrivals, attention_combine, decode_mma, paged_kv, ptx\n",
+     "from flintgen.device import arrivals, attention_combine, decode_mma, paged_kv, ptx\n" + HELPERS),
+    (f"{I8}split, kvh, b = cute.arch.block_idx()\n",
+     f"{I8}split, kvh, b = cute.arch.block_idx()\n"
+     f"{I8}st_row = part_o.iterator.toint() + Int64((b * KV_HEADS + kvh) * {STAMPS}) * 8\n"
+     f"{I8}if tid == 0:\n{I12}_gt(st_row)\n{I12}_clk(st_row + 8)\n{I12}_smid(st_row + 56)\n"),
+    (f"{I12}ml = self.stream_pages(\n{I12}    q, kv, bt, acc,",
+     f"{I12}ml = self.stream_pages(\n{I12}    q, kv, bt, st_row, acc,"),
+    ("    def stream_pages(self, q, kv, bt, acc,", "    def stream_pages(self, q, kv, bt, st_row, acc,"),
+    (f"{I8}cute.arch.griddepcontrol_wait()\n{I8}for s in cutlass.range_constexpr(NUM_STAGES - 1):\n",
+     f"{I8}cute.arch.griddepcontrol_wait()\n{I8}if warp * 32 + lane == 0:\n{I12}_clk(st_row + 16)\n"
+     f"{I8}for s in cutlass.range_constexpr(NUM_STAGES - 1):\n"),
+    (f"{I12}cute.arch.griddepcontrol_launch_dependents()\n",
+     f"{I12}cute.arch.griddepcontrol_launch_dependents()\n{I12}if tid == 0:\n{I12}    _clk(st_row + 24)\n"),
+    (f"{I12}if cutlass.const_expr(CLUSTER):\n{I12}    attention_combine.cluster_reduce(",
+     f"{I12}if tid == 0:\n{I12}    _clk(st_row + 32)\n"
+     f"{I12}if cutlass.const_expr(CLUSTER):\n{I12}    attention_combine.cluster_reduce("),
+    (f"{I8}        if cutlass.const_expr(NUM_SPLITS == 1):\n"
+     f"{I8}            inv = attention_combine.norm_factor(l_cta, m_cta * scale_log2, sink_s{{VQ}})\n"
+     f"{I8}            attention_combine.store_head(out_row, eh, ed, o, inv, COMBINE)\n",
+     f"{I8}        if cutlass.const_expr(NUM_SPLITS == 1):\n"
+     f"{I8}            inv = attention_combine.norm_factor(l_cta, m_cta * scale_log2, sink_s{{VQ}})\n"
+     f"{I8}            attention_combine.store_head(out_row, eh, ed, o, inv, COMBINE)\n"
+     f"{I8}            if tid == 0:\n{I8}                _clk(st_row + 40)\n{I8}                _gt(st_row + 48)\n"),
+]
+
+
+def rows():
+    from benchmarks.decode_attention import GOAL_ROWS, GPT_OSS_TP, fp8_spec
+
+    wide, b, L, w, *_ = GOAL_ROWS[6]
+    assert (b, L, w) == (32, 8192, 128), GOAL_ROWS[6]
+    oss = GPT_OSS_TP[0]
+    return [("fp8 64/8 d128 B=32 w128", fp8_spec(wide), b, L, w), ("bf16 64/8 d128 B=32 w128", wide, b, L, w),
+            ("fp8 oss 64/8 d64 B=64 w128", fp8_spec(oss), 64, 1024, 128)]
+
+
+def patched_source(spec, v):
+    src = codegen.render(v.kernel, KDEF.template_of(v), dict(KDEF.render_params(spec, v)))
+    vq = ", vq" if spec.kv_cache_dtype == "fp8_e4m3" else ""
+    for old, new in PATCHES:
+        old, new = old.replace("{VQ}", vq), new.replace("{VQ}", vq)
+        if src.count(old) != 1:
+            raise RuntimeError(f"timeline patch: {old!r} occurs {src.count(old)} times")
+        src = src.replace(old, new)
+    return src.replace("class DecodeAttention:", "class DecodeAttention:  # timeline stamps", 1)
+
+
+def variant_of(spec, batch, window, target):
+    op = KDEF.bind(spec, target, lambda v: None)
+    v = op._variants[window is not None][batch]
+    if dict(v.params)["num_splits"] != 1:
+        raise SystemExit(f"timeline: {spec.name} B={batch} runs {dict(v.params)['num_splits']} splits; the stamps "
+                         "use the single-split kernel's partials buffer")
+    return v
+
+
+def entry(spec, v, target, root=None):
+    src = patched_source(spec, v)
+    return cache.Entry(v, KDEF.template_of(v), src, target, cache.key_of(cache.key_material(v, src, target)),
+                       root or cache.default_root())
+
+
+def _pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def analyse(stamps, kv_heads):
+    """Per call [CTAs, 8] int64 stamps -> (span µs, overlap with the previous call µs, phase dict)."""
+    import torch
+
+    calls = []
+    for s in stamps:
+        s = s.view(torch.int64).view(-1, STAMPS).cpu()
+        gt0, gt1 = s[:, 0].double(), s[:, 6].double()
+        clk = s[:, 1:6].double()
+        ns_per_clk = (gt1 - gt0) / (clk[:, 4] - clk[:, 0])
+        ph = (clk[:, 1:] - clk[:, :-1]) * ns_per_clk[:, None] / 1e3
+        calls.append((gt0, gt1, ph, s[:, 7]))
+    out = []
+    for i in range(1, len(calls)):
+        gt0, gt1, ph, sm = calls[i]
+        prev_end = calls[i - 1][1].max()
+        names = ("entry->waited", "waited->streamed", "streamed->combined", "combined->stored")
+        phases = {n: (float(ph[:, k].median()), _pct(ph[:, k].tolist(), 0.9)) for k, n in enumerate(names)}
+        per_sm = torch.bincount(sm, minlength=132)
+        out.append(dict(span=float(gt1.max() - gt0.min()) / 1e3, gap=float(gt0.min() - prev_end) / 1e3,
+                        start_spread=float(gt0.max() - gt0.min()) / 1e3,
+                        end_spread=float(gt1.max() - gt1.min()) / 1e3,
+                        first_end=float(gt1.min() - gt0.min()) / 1e3,
+                        step=float(gt1.max() - prev_end) / 1e3, phases=phases,
+                        ctas_per_sm=(int(per_sm.min()), int(per_sm.max()))))
+    return out
+
+
+def main():
+    target_cpu = toolchain.resolve_target(arch="sm_90a", num_sms=132)
+    if "--prebuild" in sys.argv:
+        root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
+        os.environ["FLINTGEN_CACHE_DIR"] = root    # the op's own variants too (read before knobs are)
+        from flintgen.runtime import load_variant
+
+        for _, spec, b, _, w in rows():
+            v = variant_of(spec, b, w, target_cpu)
+            cache.get_or_build(entry(spec, v, target_cpu, root), fallback=False)
+            load_variant(KDEF, spec, v, target_cpu)
+        print(f"prebuilt {len(rows())} timeline binaries and the op's variants into {root}")
+        return
+    import torch
+
+    from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
+    from benchmarks.harness import time_graph
+    from flintgen.kernels.decode_attention import launch_scalars
+
+    target = toolchain.resolve_target()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    lines = []
+    for label, spec, b, L, w in rows():
+        fp8 = spec.kv_cache_dtype == "fp8_e4m3"
+        bspec = spec.replace(kv_cache_dtype="bf16")
+        copies = fp8_copies(spec, b, L, w, l2)
+        case = Fp8Case(bspec, b, [L] * b, w, copies=copies) if fp8 else Case(spec, b, [L] * b, w, copies=copies)
+        v = variant_of(spec, b, w, target)
+        fn = cache.get_or_build(entry(spec, v, target)).function
+        op_fn = case.fp8_fn() if fp8 else case.flintgen_fn()
+        kvs = [k.view(torch.float8_e4m3fn) for k in case.kv8s] if fp8 else case.kvs
+        hkv = spec.kv_heads_per_rank
+        n_calls = 20
+        bufs = [torch.zeros(b * hkv * STAMPS * 2, dtype=torch.float32, device="cuda") for _ in range(n_calls)]
+        part_ml = torch.zeros(16, dtype=torch.float32, device="cuda")
+        counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
+        scales = (case.k_scale.reshape(1), case.v_scale.reshape(1)) if fp8 else ()
+        (scale_log2,) = launch_scalars(case.scale, None)
+
+        def call(i):
+            fn(case.q, kvs[i % len(kvs)], case.bts[i % len(kvs)], case.seq_lens, case.sinks, case.out, bufs[i],
+               part_ml, counters, *scales, scale_log2, int(w))
+
+        for i in range(n_calls):   # compile / load, and a correctness check against the op
+            call(i)
+        ref = op_fn.call(0).clone() if hasattr(op_fn, "call") else None
+        call(0)
+        torch.cuda.synchronize()
+        if ref is not None and not torch.equal(ref, case.out):
+            raise SystemExit(f"timeline: {label}: the stamped kernel's output differs from the op's")
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g, stream=s):
+                for i in range(n_calls):
+                    call(i)
+        torch.cuda.current_stream().wait_stream(s)
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+        res = analyse(bufs, hkv)
+        stamped = time_graph(lambda: g.replay())["median_us"] / n_calls
+        plain = time_graph(op_fn)["median_us"]
+        med = {k: sorted(r[k] for r in res)[len(res) // 2] for k in ("span", "gap", "start_spread", "end_spread",
+                                                                    "first_end", "step")}
+        ph = {n: (sorted(r["phases"][n][0] for r in res)[len(res) // 2],
+                  sorted(r["phases"][n][1] for r in res)[len(res) // 2]) for n in res[0]["phases"]}
+        cps = res[-1]["ctas_per_sm"]
+        lines.append(
+            f"| {label} | {dict(v.params)['num_stages']} / {dict(v.params)['ctas_per_sm']} | {plain:.2f} | "
+            f"{stamped:.2f} | {med['step']:.2f} | {med['span']:.2f} | {med['gap']:+.2f} | {med['start_spread']:.2f} | "
+            f"{med['first_end']:.2f} | {med['end_spread']:.2f} | "
+            + " | ".join(f"{a:.2f} / {p:.2f}" for a, p in ph.values()) + f" | {cps[0]}-{cps[1]} |")
+        print(lines[-1], flush=True)
+    head = ("| row | stages / ctas-per-SM cap | op µs (graph median) | stamped µs per call | end-to-end µs "
+            "(previous call's last exit to this one's) | span µs (first entry to last exit) | first entry after "
+            "previous last exit µs | entry spread µs | first exit µs after first entry | exit spread µs | "
+            "entry->waited med / p90 | waited->streamed | streamed->combined | combined->stored | CTAs per SM |")
+    text = ("# decode_attention_timeline\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\n" + head + "\n"
+            + "|" + "---|" * (head.count("|") - 1) + "\n" + "\n".join(lines) + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "decode_attention_timeline.md"), "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
