@@ -46,8 +46,7 @@ def _f8(*a, **kw):
 OSS8 = OSS.replace(kv_cache_dtype="fp8_e4m3")
 ROWS = {
     "fp8 oss 64/8 d64 B=64 L=8k": (OSS8, 64, 8192, None, [
-        _f8(1, 4, 2, 1, False, 4, 64, 8), _f8(1, 4, 3, 1, False, 4, 64, 8), _f8(1, 4, 4, 1, False, 4, 64, 8),
-        _f8(1, 4, 6, 1, False, 2, 64, 8)]),
+        _f8(1, 4, 2, 1, False, 4, 64, 8), _f8(1, 4, 4, 1, False, 4, 64, 8)]),
 }
 
 
