@@ -14,8 +14,13 @@ stamps give per call: its span (first CTA entry to last CTA exit), how far it
 overlaps the previous call (PDL), and per CTA the phases' medians / p90 in
 µs (clock64 scaled by the CTA's own globaltimer span).
 
-    python -m benchmarks.decode_attention_timeline --prebuild DIR   # CPU: the patched binaries for sm_90a
-    python -m benchmarks.decode_attention_timeline                  # GPU: the table
+    python -m benchmarks.decode_attention_timeline --prebuild DIR [--base REV]   # CPU: binaries for sm_90a
+    python -m benchmarks.decode_attention_timeline                               # GPU: the table
+
+``--base REV`` also stamps the kernels of the template as it was at git
+revision REV (an A / B in one process): the prebuild stores every stamped
+source in DIR/timeline_sources.json, which the GPU run reads (the GPU
+machine's copy has no git history).
 
 Rows: the fp8 and bf16 kernels of 64/8 d128 B=32 window 128 (the goal row)
 and gpt-oss 64/8 d64 B=64 window 128 (XQA-fp8 within 0.2 us there).
@@ -94,8 +99,14 @@ def rows():
             ("fp8 oss 64/8 d64 B=64 w128", fp8_spec(oss), 64, 1024, 128)]
 
 
-def patched_source(spec, v):
-    src = codegen.render(v.kernel, KDEF.template_of(v), dict(KDEF.render_params(spec, v)))
+def patched_source(spec, v, template_text=None):
+    """The stamped module of ``v``, from the template file or from ``template_text`` (another revision's)."""
+    params = dict(KDEF.render_params(spec, v))
+    if template_text is None:
+        src = codegen.render(v.kernel, KDEF.template_of(v), params)
+    else:
+        src = codegen.environment().from_string(template_text).render(
+            **params, header=codegen.header(v.kernel, KDEF.template_of(v), params))
     vq = ", vq" if spec.kv_cache_dtype == "fp8_e4m3" else ""
     for old, new in PATCHES:
         old, new = old.replace("{VQ}", vq), new.replace("{VQ}", vq)
@@ -114,8 +125,8 @@ def variant_of(spec, batch, window, target):
     return v
 
 
-def entry(spec, v, target, root=None):
-    src = patched_source(spec, v)
+def entry(spec, v, target, root=None, src=None):
+    src = src or patched_source(spec, v)
     return cache.Entry(v, KDEF.template_of(v), src, target, cache.key_of(cache.key_material(v, src, target)),
                        root or cache.default_root())
 
@@ -158,80 +169,71 @@ def main():
     if "--prebuild" in sys.argv:
         root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
         os.environ["FLINTGEN_CACHE_DIR"] = root    # the op's own variants too (read before knobs are)
+        import json
+        import subprocess
+
         from flintgen.runtime import load_variant
 
-        for _, spec, b, _, w in rows():
+        base = None
+        if "--base" in sys.argv:
+            rev = sys.argv[sys.argv.index("--base") + 1]
+            base = (rev, subprocess.run(["git", "show", f"{rev}:templates/{KDEF.template_of(None)}"], check=True,
+                                        capture_output=True, text=True).stdout)
+        sources = {}
+        for label, spec, b, _, w in rows():
             v = variant_of(spec, b, w, target_cpu)
-            cache.get_or_build(entry(spec, v, target_cpu, root), fallback=False)
+            sources[label] = {"current": patched_source(spec, v)}
+            if base:
+                sources[label][base[0]] = patched_source(spec, v, base[1])
+            for src in sources[label].values():
+                cache.get_or_build(entry(spec, v, target_cpu, root, src), fallback=False)
             load_variant(KDEF, spec, v, target_cpu)
-        print(f"prebuilt {len(rows())} timeline binaries and the op's variants into {root}")
+        with open(os.path.join(root, "timeline_sources.json"), "w") as f:
+            json.dump(sources, f)
+        print(f"prebuilt {sum(map(len, sources.values()))} timeline binaries and the op's variants into {root}")
         return
+    import json
+
     import torch
 
     from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
-    from benchmarks.harness import elapsed_s, time_graph
-    from flintgen.kernels.decode_attention import launch_scalars
+    from benchmarks.harness import time_graph
 
     target = toolchain.resolve_target()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    stored = os.path.join(cache.default_root(), "timeline_sources.json")
+    sources = json.load(open(stored)) if os.path.exists(stored) else {}
     lines = []
     for label, spec, b, L, w in rows():
         fp8 = spec.kv_cache_dtype == "fp8_e4m3"
-        bspec = spec.replace(kv_cache_dtype="bf16")
         copies = fp8_copies(spec, b, L, w, l2)
-        case = Fp8Case(bspec, b, [L] * b, w, copies=copies) if fp8 else Case(spec, b, [L] * b, w, copies=copies)
+        case = (Fp8Case(spec.replace(kv_cache_dtype="bf16"), b, [L] * b, w, copies=copies) if fp8
+                else Case(spec, b, [L] * b, w, copies=copies))
         v = variant_of(spec, b, w, target)
-        fn = cache.get_or_build(entry(spec, v, target)).function
         op_fn = case.fp8_fn() if fp8 else case.flintgen_fn()
-        kvs = [k.view(torch.float8_e4m3fn) for k in case.kv8s] if fp8 else case.kvs
-        hkv = spec.kv_heads_per_rank
-        n_calls = 20
-        bufs = [torch.zeros(b * hkv * STAMPS * 2, dtype=torch.float32, device="cuda") for _ in range(n_calls)]
-        part_ml = torch.zeros(16, dtype=torch.float32, device="cuda")
-        counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
-        scales = (case.k_scale.reshape(1), case.v_scale.reshape(1)) if fp8 else ()
-        (scale_log2,) = launch_scalars(case.scale, None)
-
-        def call(i):
-            fn(case.q, kvs[i % len(kvs)], case.bts[i % len(kvs)], case.seq_lens, case.sinks, case.out, bufs[i],
-               part_ml, counters, *scales, scale_log2, int(w))
-
-        for i in range(n_calls):   # compile / load, and a correctness check against the op
-            call(i)
-        ref = op_fn.call(0).clone() if hasattr(op_fn, "call") else None
-        call(0)
-        torch.cuda.synchronize()
-        if ref is not None and not torch.equal(ref, case.out):
-            raise SystemExit(f"timeline: {label}: the stamped kernel's output differs from the op's")
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            with torch.cuda.graph(g, stream=s):
-                for i in range(n_calls):
-                    call(i)
-        torch.cuda.current_stream().wait_stream(s)
-        for _ in range(5):
-            g.replay()
-        torch.cuda.synchronize()
-        res = analyse(bufs, hkv)
-        stamped = sorted(elapsed_s(g.replay) for _ in range(50))[25] * 1e6 / n_calls
         plain = time_graph(op_fn)["median_us"]
-        med = {k: sorted(r[k] for r in res)[len(res) // 2] for k in ("span", "gap", "start_spread", "end_spread",
-                                                                    "first_end", "step")}
-        ph = {n: (sorted(r["phases"][n][0] for r in res)[len(res) // 2],
-                  sorted(r["phases"][n][1] for r in res)[len(res) // 2]) for n in res[0]["phases"]}
-        cps = res[-1]["ctas_per_sm"]
-        lines.append(
-            f"| {label} | {dict(v.params)['num_stages']} / {dict(v.params)['ctas_per_sm']} | {plain:.2f} | "
-            f"{stamped:.2f} | {med['step']:.2f} | {med['span']:.2f} | {med['gap']:+.2f} | {med['start_spread']:.2f} | "
-            f"{med['first_end']:.2f} | {med['end_spread']:.2f} | "
-            + " | ".join(f"{a:.2f} / {p:.2f}" for a, p in ph.values()) + f" | {cps[0]}-{cps[1]} |")
-        print(lines[-1], flush=True)
-    head = ("| row | stages / ctas-per-SM cap | op µs (graph median) | stamped µs per call | end-to-end µs "
-            "(previous call's last exit to this one's) | span µs (first entry to last exit) | first entry after "
-            "previous last exit µs | entry spread µs | first exit µs after first entry | exit spread µs | "
-            "entry->waited med / p90 | waited->streamed | streamed->combined | combined->stored | CTAs per SM |")
+        ref = op_fn.call(0).clone()
+        for rev, src in (sources.get(label) or {"current": None}).items():
+            fn = cache.get_or_build(entry(spec, v, target, src=src)).function
+            stamped, res = stamp(case, spec, fn, fp8, b, w, ref, f"{label} ({rev})")
+            med = {k: sorted(r[k] for r in res)[len(res) // 2]
+                   for k in ("span", "gap", "start_spread", "end_spread", "first_end", "step")}
+            ph = {n: (sorted(r["phases"][n][0] for r in res)[len(res) // 2],
+                      sorted(r["phases"][n][1] for r in res)[len(res) // 2]) for n in res[0]["phases"]}
+            cps = res[-1]["ctas_per_sm"]
+            lines.append(
+                f"| {label} | {rev} | {dict(v.params)['num_stages']} / {dict(v.params)['ctas_per_sm']} | {plain:.2f} | "
+                f"{stamped:.2f} | {med['step']:.2f} | {med['span']:.2f} | {med['gap']:+.2f} | "
+                f"{med['start_spread']:.2f} | {med['first_end']:.2f} | {med['end_spread']:.2f} | "
+                + " | ".join(f"{a:.2f} / {p:.2f}" for a, p in ph.values()) + f" | {cps[0]}-{cps[1]} |")
+            print(lines[-1], flush=True)
+        del case
+        torch.cuda.empty_cache()
+    head = ("| row | template | stages / ctas-per-SM cap | op µs (graph median, current template) | stamped µs per "
+            "call | end-to-end µs (previous call's last exit to this one's) | span µs (first entry to last exit) | "
+            "first entry after previous last exit µs | entry spread µs | first exit µs after first entry | exit "
+            "spread µs | entry->waited med / p90 | waited->streamed | streamed->combined | combined->stored | CTAs "
+            "per SM (last call) |")
     text = ("# decode_attention_timeline\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\n" + head + "\n"
             + "|" + "---|" * (head.count("|") - 1) + "\n" + "\n".join(lines) + "\n")
     out = os.environ.get("OUT")
@@ -239,6 +241,47 @@ def main():
         with open(os.path.join(out, "decode_attention_timeline.md"), "w") as f:
             f.write(text)
     print(text)
+
+
+def stamp(case, spec, fn, fp8, b, w, ref, label, n_calls=20):
+    """``fn`` (a stamped binary) on the case's rotated caches: its output checked against the op's (``ref``,
+    cache 0), then n_calls calls captured in one graph and replayed; returns (µs per call, analyse())."""
+    import torch
+
+    from benchmarks.harness import elapsed_s
+    from flintgen.kernels.decode_attention import launch_scalars
+
+    kvs = [k.view(torch.float8_e4m3fn) for k in case.kv8s] if fp8 else case.kvs
+    hkv = spec.kv_heads_per_rank
+    bufs = [torch.zeros(b * hkv * STAMPS * 2, dtype=torch.float32, device="cuda") for _ in range(n_calls)]
+    part_ml = torch.zeros(16, dtype=torch.float32, device="cuda")
+    counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
+    scales = (case.k_scale.reshape(1), case.v_scale.reshape(1)) if fp8 else ()
+    (scale_log2,) = launch_scalars(case.scale, None)
+
+    def call(i):
+        fn(case.q, kvs[i % len(kvs)], case.bts[i % len(kvs)], case.seq_lens, case.sinks, case.out, bufs[i],
+           part_ml, counters, *scales, scale_log2, int(w))
+
+    call(0)
+    torch.cuda.synchronize()
+    if not torch.equal(ref, case.out):
+        raise SystemExit(f"timeline: {label}: the stamped kernel's output differs from the op's")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(n_calls):
+            call(i)
+        with torch.cuda.graph(g, stream=s):
+            for i in range(n_calls):
+                call(i)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    res = analyse(bufs, hkv)
+    return sorted(elapsed_s(g.replay) for _ in range(50))[25] * 1e6 / n_calls, res
 
 
 if __name__ == "__main__":
