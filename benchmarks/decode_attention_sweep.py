@@ -44,9 +44,13 @@ def _f8(*a, **kw):
 
 
 OSS8 = OSS.replace(kv_cache_dtype="fp8_e4m3")
+W64 = model_shape(64, 8, 128).replace(kv_cache_dtype="fp8_e4m3")
 ROWS = {
     "fp8 oss 64/8 d64 B=64 L=8k": (OSS8, 64, 8192, None, [
         _f8(1, 4, 2, 1, False, 4, 64, 8), _f8(1, 4, 4, 1, False, 4, 64, 8)]),
+    "fp8 64/8 d128 B=32 w128": (W64.replace(layer_types=("sliding",), sliding_window=128), 32, 8192, 128, [
+        _f8(1, 4, 2, 1, False, 0, 128, 8), _f8(1, 4, 3, 1, False, 0, 128, 8), _f8(1, 4, 2, 1, False, 2, 128, 8),
+        _f8(1, 4, 3, 1, False, 2, 128, 8)]),
 }
 
 

@@ -23,11 +23,14 @@ source in DIR/timeline_sources.json, which the GPU run reads (the GPU
 machine's copy has no git history).
 
 Rows: the fp8 and bf16 kernels of 64/8 d128 B=32 window 128 (the goal row)
-and gpt-oss 64/8 d64 B=64 window 128 (XQA-fp8 within 0.2 us there).
+and gpt-oss 64/8 d64 B=64 window 128 (XQA-fp8 within 0.2 us there); the fp8
+goal row also with the launch configs in CONFIGS (forced as the sweep forces
+them: ring slots, CTAs per SM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -89,14 +92,28 @@ PATCHES = [
 ]
 
 
+def _fp8_window(stages, ctas_per_sm):
+    from flintgen.configs.decode_attention_config import DecodeAttentionConfig
+
+    return DecodeAttentionConfig(1, 4, stages, 1, False, ctas_per_sm, 128, 8, kv_dtype="fp8_e4m3")
+
+
+# (ring slots, CTAs per SM cap) of the fp8 goal row besides the op's own (2, none)
+CONFIGS = [(3, 0), (2, 2), (3, 2)]
+
+
 def rows():
+    """(label, spec, B, L, window, forced config or None)."""
     from benchmarks.decode_attention import GOAL_ROWS, GPT_OSS_TP, fp8_spec
 
     wide, b, L, w, *_ = GOAL_ROWS[6]
     assert (b, L, w) == (32, 8192, 128), GOAL_ROWS[6]
     oss = GPT_OSS_TP[0]
-    return [("fp8 64/8 d128 B=32 w128", fp8_spec(wide), b, L, w), ("bf16 64/8 d128 B=32 w128", wide, b, L, w),
-            ("fp8 oss 64/8 d64 B=64 w128", fp8_spec(oss), 64, 1024, 128)]
+    return ([("fp8 64/8 d128 B=32 w128", fp8_spec(wide), b, L, w, None)]
+            + [(f"fp8 64/8 d128 B=32 w128 slots {n} cap {c}", fp8_spec(wide), b, L, w, _fp8_window(n, c))
+               for n, c in CONFIGS]
+            + [("bf16 64/8 d128 B=32 w128", wide, b, L, w, None),
+               ("fp8 oss 64/8 d64 B=64 w128", fp8_spec(oss), 64, 1024, 128, None)])
 
 
 def patched_source(spec, v, template_text=None):
@@ -116,8 +133,12 @@ def patched_source(spec, v, template_text=None):
     return src.replace("class DecodeAttention:", "class DecodeAttention:  # timeline stamps", 1)
 
 
-def variant_of(spec, batch, window, target):
-    op = KDEF.bind(spec, target, lambda v: None)
+def variant_of(spec, batch, window, target, cfg=None):
+    """The op's variant of the row, or (``cfg``) the one of that launch config."""
+    from benchmarks.decode_attention_sweep import forced
+
+    with forced(cfg) if cfg else contextlib.nullcontext():
+        op = KDEF.bind(spec, target, lambda v: None)
     v = op._variants[window is not None][batch]
     if dict(v.params)["num_splits"] != 1:
         raise SystemExit(f"timeline: {spec.name} B={batch} runs {dict(v.params)['num_splits']} splits; the stamps "
@@ -180,14 +201,14 @@ def main():
             base = (rev, subprocess.run(["git", "show", f"{rev}:templates/{KDEF.template_of(None)}"], check=True,
                                         capture_output=True, text=True).stdout)
         sources = {}
-        for label, spec, b, _, w in rows():
-            v = variant_of(spec, b, w, target_cpu)
+        for label, spec, b, _, w, cfg in rows():
+            v = variant_of(spec, b, w, target_cpu, cfg)
             sources[label] = {"current": patched_source(spec, v)}
             if base:
                 sources[label][base[0]] = patched_source(spec, v, base[1])
             for src in sources[label].values():
                 cache.get_or_build(entry(spec, v, target_cpu, root, src), fallback=False)
-            load_variant(KDEF, spec, v, target_cpu)
+            load_variant(KDEF, spec, variant_of(spec, b, w, target_cpu), target_cpu)
         with open(os.path.join(root, "timeline_sources.json"), "w") as f:
             json.dump(sources, f)
         print(f"prebuilt {sum(map(len, sources.values()))} timeline binaries and the op's variants into {root}")
@@ -204,12 +225,17 @@ def main():
     stored = os.path.join(cache.default_root(), "timeline_sources.json")
     sources = json.load(open(stored)) if os.path.exists(stored) else {}
     lines = []
-    for label, spec, b, L, w in rows():
+    case = None
+    for label, spec, b, L, w, cfg in rows():
         fp8 = spec.kv_cache_dtype == "fp8_e4m3"
         copies = fp8_copies(spec, b, L, w, l2)
-        case = (Fp8Case(spec.replace(kv_cache_dtype="bf16"), b, [L] * b, w, copies=copies) if fp8
-                else Case(spec, b, [L] * b, w, copies=copies))
-        v = variant_of(spec, b, w, target)
+        if case is None or (case.spec.name, case.spec.head_dim, len(case.q), fp8) != (spec.name, spec.head_dim, b,
+                                                                                      hasattr(case, "kv8s")):
+            case = None
+            torch.cuda.empty_cache()
+            case = (Fp8Case(spec.replace(kv_cache_dtype="bf16"), b, [L] * b, w, copies=copies) if fp8
+                    else Case(spec, b, [L] * b, w, copies=copies))
+        v = variant_of(spec, b, w, target, cfg)
         op_fn = case.fp8_fn() if fp8 else case.flintgen_fn()
         plain = time_graph(op_fn)["median_us"]
         ref = op_fn.call(0).clone()
@@ -227,9 +253,7 @@ def main():
                 f"{med['start_spread']:.2f} | {med['first_end']:.2f} | {med['end_spread']:.2f} | "
                 + " | ".join(f"{a:.2f} / {p:.2f}" for a, p in ph.values()) + f" | {cps[0]}-{cps[1]} |")
             print(lines[-1], flush=True)
-        del case
-        torch.cuda.empty_cache()
-    head = ("| row | template | stages / ctas-per-SM cap | op µs (graph median, current template) | stamped µs per "
+    head = ("| row | template | stages / ctas-per-SM cap | op µs (graph median: the op's own config, current template) | stamped µs per "
             "call | end-to-end µs (previous call's last exit to this one's) | span µs (first entry to last exit) | "
             "first entry after previous last exit µs | entry spread µs | first exit µs after first entry | exit "
             "spread µs | entry->waited med / p90 | waited->streamed | streamed->combined | combined->stored | CTAs "
