@@ -159,7 +159,9 @@ def test_fp8_configs_by_bytes(gqa, head_dim):
     bytes, bf16's stages (one fewer for windows, at least 2; more only where
     the epilogue scratch needs them), everything
     else unchanged; same fragment registers. Except head_dim 64's
-    single-split launches past one wave of two CTAs per SM: 4 per SM, 2 slots."""
+    single-split launches past one wave of two CTAs per SM: 4 per SM, 2 slots;
+    and short windows' uncapped single-split launches of one to two pairs per
+    SM: at most 2 CTAs per SM."""
     for kv in (1, 8):
         for window in (None, 128, 4096):
             kw = dict(max_batch=256, num_kv_heads=kv, sliding=window is not None, window=window,
@@ -181,7 +183,10 @@ def test_fp8_configs_by_bytes(gqa, head_dim):
                 if y.num_stages > want:     # only where one slot fewer leaves the epilogue scratch no room
                     with pytest.raises(ValueError, match="epilogue scratch"):
                         dataclasses.replace(y, num_stages=y.num_stages - 1)
-                assert y.as_params() == dict(x.as_params(), num_stages=y.num_stages)
+                capped = (window is not None and dac.is_short_window(window) and x.num_splits == 1
+                          and not x.cluster and x.ctas_per_sm == 0 and 132 < b * kv <= 2 * 132)
+                cap = dac.FP8_SLIDING_CTAS_PER_SM if capped else x.ctas_per_sm
+                assert y.as_params() == dict(x.as_params(), num_stages=y.num_stages, ctas_per_sm=cap)
                 assert y.kv_parts == x.kv_parts and y.ring_bytes <= x.ring_bytes
 
 
@@ -475,6 +480,12 @@ def _long_specs():
 WAVE_SPECS = [fp8_spec(g, 64, kv=8, window=4096, sinks=g == 1, max_batch=40) for g in (1, 8)]
 WAVE_PLAN = [(None, 33), (None, 40), (4096, 40)]
 
+# short windows at one to two single-split pairs per SM (133..264): at most 2 CTAs per SM
+# (FP8_SLIDING_CTAS_PER_SM); head_dim 64 GQA 1 keeps 3 slots (FP8_SLIDING_KEEP_BF16_SLOTS)
+CAP_SPECS = [fp8_spec(g, d, kv=8, window=128, sinks=g != 4, softcap=d == 256, max_batch=33)
+             for g, d in ((8, 128), (1, 64), (4, 256), (3, 96))]
+CAP_PLAN = [17, 32, 33]
+
 GRAPH_SPEC = fp8_spec(8, 128, kv=2, window=128, max_batch=48)
 GRAPH_PLAN = [(128, 2), (None, 3), (None, 40)]
 
@@ -542,6 +553,37 @@ def test_fp8_d64_four_ctas_per_sm(precompiled_fp8, idx):
         out = case.poisoned_out()
         op(*case.args(out), **case.kwargs())
         case.check(out, f"fp8 d64 waves {spec.name} window={window} b={b} {cfg.as_params()}")
+
+
+@pytest.fixture(scope="module")
+def precompiled_fp8_cap():
+    from flintgen import toolchain
+
+    record(f"precompiled {precompile([(s, [(128, b) for b in CAP_PLAN]) for s in CAP_SPECS], KDEF, toolchain.resolve_target(), _no_load)} fp8 capped-window variants")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(CAP_SPECS)))
+def test_fp8_short_window_two_ctas_per_sm(precompiled_fp8_cap, idx):
+    """8 kv heads x B = 17, 32, 33 (136, 256, 264 pairs) with window 128: single-split launches capped at 2 CTAs
+    per SM; window, slice and page edge lengths, fresh inputs, poisoned outputs, uint8 and float8 views."""
+    import flintgen
+
+    spec = CAP_SPECS[idx]
+    op = flintgen.get_kernel(spec, "decode_attention")
+    rnd = random.Random(170 + idx)
+    cap = 50.0 if spec.attn_logit_softcap else None
+    for b in CAP_PLAN:
+        cfg = op.config(b, True)
+        assert cfg.num_splits == 1 and cfg.ctas_per_sm == dac.FP8_SLIDING_CTAS_PER_SM, cfg
+        lens = [rnd.randint(0, 3000) for _ in range(b)]
+        edges = _edges(spec.page_size, 128)
+        lens[:len(edges)] = edges
+        case = Fp8Case(spec, lens, 128, seed=rnd.randint(0, 2**31), softcap=cap, k_scale=0.02, v_scale=0.01,
+                       as_uint8=b % 2 == 1, q_scale=30.0 if cap else 1.5)
+        out = case.poisoned_out()
+        op(*case.args(out), **case.kwargs())
+        case.check(out, f"fp8 capped window {spec.name} b={b} {cfg.as_params()}")
 
 
 @pytest.mark.gpu

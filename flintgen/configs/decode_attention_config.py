@@ -260,20 +260,23 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
                               head_dim=head_dim, gqa=gqa, page_size=page_size, num_sms=num_sms)
     if kv_dtype == "bf16":
         return cfg
-    return _fp8_by_bytes(cfg, kv_dtype, sliding, waves_at_two=-(-batch * num_kv_heads // (2 * num_sms)))
+    return _fp8_by_bytes(cfg, kv_dtype, sliding, pairs=batch * num_kv_heads, num_sms=num_sms,
+                         short_window=sliding and is_short_window(window))
 
 
 # (head_dim, GQA) whose fp8 sliding kernels keep bf16's ring slots (``_fp8_by_bytes``).
 FP8_SLIDING_KEEP_BF16_SLOTS = frozenset({(64, 1), (64, 7)})
 # CTAs per SM of fp8 head_dim-64 single-split launches (``_fp8_by_bytes``).
 FP8_D64_CTAS_PER_SM = 4
+# CTAs per SM of fp8 sliding single-split launches of one to two pairs per SM (``_fp8_by_bytes``).
+FP8_SLIDING_CTAS_PER_SM = 2
 
 
 def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool,
-                  waves_at_two: int = 1) -> DecodeAttentionConfig:
+                  pairs: int = 1, num_sms: int = 132, short_window: bool = False) -> DecodeAttentionConfig:
     """The bf16 choice ``cfg`` for a cache of 1-byte elements (half the slice
-    bytes, the same fragment registers); ``waves_at_two``: waves of the
-    launch's pairs at two single-split CTAs per SM. H200, fp8 e4m3, sweep run 16
+    bytes, the same fragment registers); ``pairs``: the launch's (request, kv
+    head) pairs; ``short_window``: a window of is_short_window. H200, fp8 e4m3, sweep run 16
     (results/decode_attention_sweep.md):
 
     * stages: bf16's (fewer bytes in flight; bandwidth rows do not need
@@ -304,16 +307,31 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool,
       FP8_SLIDING_KEEP_BF16_SLOTS' long windows (their 2-slot binary spills
       here too: 8 bytes at 80 registers). Not at
       head_dim 128 (64/8 d128 B=128 x 8k: 3 or 4 per SM 547 against 522).
+    * short windows (is_short_window), one split per pair, more pairs than
+      SMs but at most two per SM: at most 2 CTAs per SM
+      (``FP8_SLIDING_CTAS_PER_SM``; measured at window 128, latency-bound). Uncapped,
+      the block scheduler put 0 to 3 of the window's CTAs on an SM (the next
+      launch's CTAs land beside the previous one's), and the kernel ends with
+      its slowest SM. Sweep run 18 (2026-12-03, six interleaved passes), 64/8
+      d128 B=32 window 128 (256 pairs): 5.83 us (spread 0.05) against 6.19
+      (0.07) uncapped; with 3 slots 6.29 / 6.93. Per-CTA timeline
+      (decode_attention_timeline): 1-2 CTAs per SM, the CTAs' exits spread
+      over 1.8 us against 3.1.
     """
+    waves_at_two = -(-pairs // (2 * num_sms))
     if (cfg.head_dim == 64 and cfg.layout.num_tiles == 1 and cfg.num_splits == 1 and cfg.ctas_per_sm == 2
             and not cfg.cluster and waves_at_two > 1):
         keep = sliding and (cfg.head_dim, cfg.gqa) in FP8_SLIDING_KEEP_BF16_SLOTS   # their 2-slot binary spills
         return replace(cfg, kv_dtype=kv_dtype, num_stages=3 if keep else 2, ctas_per_sm=FP8_D64_CTAS_PER_SM)
     fewer = sliding and (cfg.head_dim, cfg.gqa) not in FP8_SLIDING_KEEP_BF16_SLOTS
     stages = max(2, cfg.num_stages - 1) if fewer else cfg.num_stages
+    ctas_per_sm = cfg.ctas_per_sm
+    if (short_window and cfg.num_splits == 1 and not cfg.cluster and cfg.ctas_per_sm == 0
+            and num_sms < pairs <= 2 * num_sms):
+        ctas_per_sm = FP8_SLIDING_CTAS_PER_SM
     while True:
         try:
-            return replace(cfg, kv_dtype=kv_dtype, num_stages=stages)
+            return replace(cfg, kv_dtype=kv_dtype, num_stages=stages, ctas_per_sm=ctas_per_sm)
         except ValueError:
             if stages >= 2 * cfg.num_stages:
                 raise
