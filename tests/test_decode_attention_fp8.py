@@ -198,14 +198,20 @@ def test_fp8_check_supported():
 
 
 def test_fp8_variants_and_source():
-    """fp8 variants are the bf16 ones plus kv_fp8 (names of bf16 variants
-    unchanged) with their own stages; the rendered fp8 module takes k_scale /
-    v_scale, the bf16 one renders KV_FP8 = False and no scale argument."""
-    plain, f8 = KDEF.variants(FLINT, T132), KDEF.variants(FP8, T132)
-    assert len(plain) == len(f8)
-    for p, s in zip(plain, f8):
+    """Batch by batch, the fp8 variant is the bf16 one plus kv_fp8 (names of
+    bf16 variants unchanged) with its own stages (and short windows' CTAs-per-SM
+    cap, which can split one bf16 variant's batches in two); the rendered fp8
+    module takes k_scale / v_scale, the bf16 one renders KV_FP8 = False and no
+    scale argument."""
+    plain, f8 = KDEF.bind(FLINT, T132, _no_load)._variants, KDEF.bind(FP8, T132, _no_load)._variants
+    assert plain.keys() == f8.keys() and all(plain[k].keys() == f8[k].keys() for k in plain)
+    by_pair = {(plain[k][b].name, f8[k][b].name): (plain[k][b], f8[k][b]) for k in plain for b in plain[k]}
+    assert {s.name for _, s in by_pair.values()} == {v.name for v in KDEF.variants(FP8, T132)}
+    for p, s in by_pair.values():
         assert "kv_fp8" not in p.name and "-kv_fp81-" in s.name
-        assert dict(s.params) == dict(p.params, kv_fp8=True, num_stages=s["num_stages"])
+        assert dict(s.params) == dict(p.params, kv_fp8=True, num_stages=s["num_stages"], ctas_per_sm=s["ctas_per_sm"])
+        assert s["ctas_per_sm"] == p["ctas_per_sm"] or (   # short windows' capped launches (_fp8_by_bytes)
+            p["sliding"] and p["ctas_per_sm"] == 0 and s["ctas_per_sm"] == dac.FP8_SLIDING_CTAS_PER_SM)
         src_p = codegen.render(p.kernel, KDEF.template, dict(KDEF.render_params(FLINT, p)))
         src_s = codegen.render(s.kernel, KDEF.template, dict(KDEF.render_params(FP8, s)))
         code_p = [ln.split("#")[0] for ln in src_p.splitlines()]
@@ -215,7 +221,8 @@ def test_fp8_variants_and_source():
         assert "KV_FP8 = True" in src_s and "KV_TYPE = cutlass.Float8E4M3FN" in src_s
         assert "counters, k_scale, v_scale, scale_log2, window" in src_s
         assert f"SLICE_BYTES = {16 * 2 * 128}" in src_s
-    assert KDEF.variant_ptx(f8[0]) != KDEF.variant_ptx(plain[0]) == KDEF.required_ptx
+    p, s = next(iter(by_pair.values()))
+    assert KDEF.variant_ptx(s) != KDEF.variant_ptx(p) == KDEF.required_ptx
 
 
 # ----------------------------------------------------------------- validation (CPU)
