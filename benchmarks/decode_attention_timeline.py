@@ -31,6 +31,7 @@ them: ring slots, CTAs per SM).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 
@@ -189,8 +190,7 @@ def main():
     target_cpu = toolchain.resolve_target(arch="sm_90a", num_sms=132)
     if "--prebuild" in sys.argv:
         root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
-        os.environ["FLINTGEN_CACHE_DIR"] = root    # the op's own variants too (read before knobs are)
-        import json
+        os.environ["FLINTGEN_CACHE_DIR"] = root    # the op's own variants (load_variant) go there too
         import subprocess
 
         from flintgen.runtime import load_variant
@@ -213,8 +213,6 @@ def main():
             json.dump(sources, f)
         print(f"prebuilt {sum(map(len, sources.values()))} timeline binaries and the op's variants into {root}")
         return
-    import json
-
     import torch
 
     from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
