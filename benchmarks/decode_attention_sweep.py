@@ -87,14 +87,14 @@ def build(shard: int = 0, shards: int = 1):
         print("built", row, cfg, flush=True)
 
 
-def time_all(only: str = "", passes: int = 0):
+def time_all(only: str = "", passes: int = 0, xqa: bool = False):
     import torch
 
     from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
     from benchmarks.harness import time_graph
 
     if passes:
-        return time_passes(only, passes)
+        return time_passes(only, passes, xqa)
     print("| row | config (splits, warps, stages, min_pages, cluster, ctas/SM) | µs | vs default |")
     print("|---|---|---|---|")
     for row, (base, batch, L, window, cands) in ROWS.items():
@@ -137,9 +137,10 @@ def _case(spec, batch, L, window):
     return Case(spec, batch, [L] * batch, window)
 
 
-def time_passes(only: str, passes: int):
+def time_passes(only: str, passes: int, xqa: bool = False):
     """Every candidate of a row once per pass (a CUDA-graph replay median each), the candidates interleaved
-    within a pass; per candidate the passes' values, their median and spread (max - min)."""
+    within a pass; per candidate the passes' values, their median and spread (max - min). ``xqa``: XQA-fp8
+    on the same caches as one more candidate of fp8 rows (whether a drift over the passes is everyone's)."""
     from benchmarks.harness import time_graph
 
     print("| row | config (splits, warps, stages, min_pages, cluster, ctas/SM) | passes µs | median µs | spread µs |")
@@ -147,7 +148,7 @@ def time_passes(only: str, passes: int):
     for row, (base, batch, L, window, cands) in ROWS.items():
         if only not in row:
             continue
-        case, runs = None, [[] for _ in cands]
+        case, runs, peer = None, [[] for _ in cands] + [[]], None
         for _ in range(passes):
             for i, cfg in enumerate(cands):
                 spec = _spec(row, i, base, batch)
@@ -161,6 +162,16 @@ def time_passes(only: str, passes: int):
                         case.spec = spec
                         fn = case.flintgen_fn()
                     runs[i].append(time_graph(fn)["median_us"])
+            if xqa and hasattr(case, "kv8s"):
+                if peer is None:
+                    peer, why = case.xqa_fn()
+                    if peer is None:
+                        raise SystemExit(f"sweep --xqa: XQA-fp8 refused {row}: {why}")
+                runs[-1].append(time_graph(peer)["median_us"])
+        if runs[-1]:
+            v = sorted(runs[-1])
+            print(f"| {row} | XQA-fp8 | {' / '.join(f'{x:.2f}' for x in runs[-1])} | {v[len(v) // 2]:.2f} "
+                  f"| {v[-1] - v[0]:.2f} |", flush=True)
         for i, cfg in enumerate(cands):
             v = sorted(runs[i])
             tag = " (default)" if i == 0 else ""
@@ -175,8 +186,9 @@ if __name__ == "__main__":
     ap.add_argument("--shard", default="0/1", help="with --build: i/n, every n-th candidate from the i-th")
     ap.add_argument("--passes", type=int, default=0,
                     help="time every candidate once per pass, interleaved, and print each pass (else the best of 3)")
+    ap.add_argument("--xqa", action="store_true", help="with --passes: XQA-fp8 as one more candidate of fp8 rows")
     a = ap.parse_args()
     if a.build:
         build(*map(int, a.shard.split("/")))
     else:
-        time_all(a.only, a.passes)
+        time_all(a.only, a.passes, a.xqa)
