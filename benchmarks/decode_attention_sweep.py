@@ -88,9 +88,6 @@ def build(shard: int = 0, shards: int = 1):
 
 
 def time_all(only: str = "", passes: int = 0, xqa: bool = False):
-    import torch
-
-    from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
     from benchmarks.harness import time_graph
 
     if passes:
@@ -104,37 +101,36 @@ def time_all(only: str = "", passes: int = 0, xqa: bool = False):
         base_us = None
         for i, cfg in enumerate(cands):
             spec = _spec(row, i, base, batch)
-            fp8 = spec.kv_cache_dtype == "fp8_e4m3"
             with forced(cfg):
-                if case is None and fp8:   # e4m3 caches rotated as --fp8 rotates them (beyond L2)
-                    copies = fp8_copies(spec, batch, L, window, torch.cuda.get_device_properties(0).L2_cache_size)
-                    case = Fp8Case(spec.replace(kv_cache_dtype="bf16"), batch, [L] * batch, window, copies=copies)
-                elif case is None:
-                    case = Case(spec, batch, [L] * batch, window)
-                flintgen.warmup(spec, ["decode_attention"])
-                if fp8:
-                    case.spec8 = spec
-                    fn = case.fp8_fn()
-                else:
-                    case.spec = spec
-                    fn = case.flintgen_fn()
-                us = min(time_graph(fn)["median_us"] for _ in range(3))
+                case = case or _case(spec, batch, L, window)
+                us = min(time_graph(_candidate_fn(case, spec))["median_us"] for _ in range(3))
             base_us = base_us or us
             tag = " (default)" if i == 0 else ""
             print(f"| {row} | {tuple(cfg.as_params().values())}{tag} | {us:.2f} | {us / base_us:.2f}x |",
                   flush=True)
 
 
-def _case(spec, batch, L, window):
-    """The row's inputs: e4m3 caches rotated as --fp8 rotates them (beyond L2), else bf16 ones."""
+def _case(spec, batch, L, window, rotate_bf16=False):
+    """The row's inputs: e4m3 caches rotated as --fp8 rotates them (beyond L2), else bf16 ones (``rotate_bf16``:
+    as many copies as an e4m3 row of the spec would rotate, else one)."""
     import torch
 
     from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
 
+    copies = fp8_copies(spec, batch, L, window, torch.cuda.get_device_properties(0).L2_cache_size)
     if spec.kv_cache_dtype == "fp8_e4m3":
-        copies = fp8_copies(spec, batch, L, window, torch.cuda.get_device_properties(0).L2_cache_size)
         return Fp8Case(spec.replace(kv_cache_dtype="bf16"), batch, [L] * batch, window, copies=copies)
-    return Case(spec, batch, [L] * batch, window)
+    return Case(spec, batch, [L] * batch, window, copies=copies if rotate_bf16 else 1)
+
+
+def _candidate_fn(case, spec):
+    """The op of ``spec`` (a candidate's, inside its ``forced`` config) on the case's caches, warmed up."""
+    flintgen.warmup(spec, ["decode_attention"])
+    if spec.kv_cache_dtype == "fp8_e4m3":
+        case.spec8 = spec
+        return case.fp8_fn()
+    case.spec = spec
+    return case.flintgen_fn()
 
 
 def time_passes(only: str, passes: int, xqa: bool = False):
@@ -154,14 +150,7 @@ def time_passes(only: str, passes: int, xqa: bool = False):
                 spec = _spec(row, i, base, batch)
                 with forced(cfg):
                     case = case or _case(spec, batch, L, window)
-                    flintgen.warmup(spec, ["decode_attention"])
-                    if spec.kv_cache_dtype == "fp8_e4m3":
-                        case.spec8 = spec
-                        fn = case.fp8_fn()
-                    else:
-                        case.spec = spec
-                        fn = case.flintgen_fn()
-                    runs[i].append(time_graph(fn)["median_us"])
+                    runs[i].append(time_graph(_candidate_fn(case, spec))["median_us"])
             if xqa and hasattr(case, "kv8s"):
                 if peer is None:
                     peer, why = case.xqa_fn()

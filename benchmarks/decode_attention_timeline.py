@@ -158,8 +158,13 @@ def _pct(xs, p):
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def analyse(stamps, kv_heads):
-    """Per call [CTAs, 8] int64 stamps -> (span µs, overlap with the previous call µs, phase dict)."""
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def analyse(stamps):
+    """Per call's stamps ([CTAs, STAMPS] int64), for every call after the first: a dict of its span, the gap to
+    the previous call's last exit, entry / exit spreads, the phases' (median, p90) and CTAs per SM (µs)."""
     import torch
 
     calls = []
@@ -215,24 +220,20 @@ def main():
         return
     import torch
 
-    from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
+    from benchmarks.decode_attention_sweep import _case
     from benchmarks.harness import time_graph
 
     target = toolchain.resolve_target()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     stored = os.path.join(cache.default_root(), "timeline_sources.json")
     sources = json.load(open(stored)) if os.path.exists(stored) else {}
     lines = []
-    case = None
+    case, case_key = None, None
     for label, spec, b, L, w, cfg in rows():
         fp8 = spec.kv_cache_dtype == "fp8_e4m3"
-        copies = fp8_copies(spec, b, L, w, l2)
-        if case is None or (case.spec.name, case.spec.head_dim, len(case.q), fp8) != (spec.name, spec.head_dim, b,
-                                                                                      hasattr(case, "kv8s")):
+        if case_key != (spec.name, spec.kv_cache_dtype, b, L, w):   # rows of one shape share their caches
             case = None
             torch.cuda.empty_cache()
-            case = (Fp8Case(spec.replace(kv_cache_dtype="bf16"), b, [L] * b, w, copies=copies) if fp8
-                    else Case(spec, b, [L] * b, w, copies=copies))
+            case, case_key = _case(spec, b, L, w, rotate_bf16=True), (spec.name, spec.kv_cache_dtype, b, L, w)
         v = variant_of(spec, b, w, target, cfg)
         op_fn = case.fp8_fn() if fp8 else case.flintgen_fn()
         plain = time_graph(op_fn)["median_us"]
@@ -240,10 +241,10 @@ def main():
         for rev, src in (sources.get(label) or {"current": None}).items():
             fn = cache.get_or_build(entry(spec, v, target, src=src)).function
             stamped, res = stamp(case, spec, fn, fp8, b, w, ref, f"{label} ({rev})")
-            med = {k: sorted(r[k] for r in res)[len(res) // 2]
+            med = {k: _median([r[k] for r in res])
                    for k in ("span", "gap", "start_spread", "end_spread", "first_end", "step")}
-            ph = {n: (sorted(r["phases"][n][0] for r in res)[len(res) // 2],
-                      sorted(r["phases"][n][1] for r in res)[len(res) // 2]) for n in res[0]["phases"]}
+            ph = {n: (_median([r["phases"][n][0] for r in res]), _median([r["phases"][n][1] for r in res]))
+                  for n in res[0]["phases"]}
             cps = res[-1]["ctas_per_sm"]
             lines.append(
                 f"| {label} | {rev} | {dict(v.params)['num_stages']} / {dict(v.params)['ctas_per_sm']} | {plain:.2f} | "
@@ -302,7 +303,7 @@ def stamp(case, spec, fn, fp8, b, w, ref, label, n_calls=20):
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
-    res = analyse(bufs, hkv)
+    res = analyse(bufs)
     return sorted(elapsed_s(g.replay) for _ in range(50))[25] * 1e6 / n_calls, res
 
 

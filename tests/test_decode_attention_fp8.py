@@ -566,7 +566,8 @@ def test_fp8_d64_four_ctas_per_sm(precompiled_fp8, idx):
 def precompiled_fp8_cap():
     from flintgen import toolchain
 
-    record(f"precompiled {precompile([(s, [(128, b) for b in CAP_PLAN]) for s in CAP_SPECS], KDEF, toolchain.resolve_target(), _no_load)} fp8 capped-window variants")
+    n = precompile([(s, [(128, b) for b in CAP_PLAN]) for s in CAP_SPECS], KDEF, toolchain.resolve_target(), _no_load)
+    record(f"precompiled {n} fp8 capped-window variants")
 
 
 @pytest.mark.gpu
