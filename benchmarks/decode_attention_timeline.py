@@ -181,7 +181,7 @@ def analyse(stamps):
         prev_end = calls[i - 1][1].max()
         names = ("entry->waited", "waited->streamed", "streamed->combined", "combined->stored")
         phases = {n: (float(ph[:, k].median()), _pct(ph[:, k].tolist(), 0.9)) for k, n in enumerate(names)}
-        per_sm = torch.bincount(sm, minlength=132)
+        per_sm = torch.bincount(sm, minlength=torch.cuda.get_device_properties(0).multi_processor_count)
         out.append(dict(span=float(gt1.max() - gt0.min()) / 1e3, gap=float(gt0.min() - prev_end) / 1e3,
                         start_spread=float(gt0.max() - gt0.min()) / 1e3,
                         end_spread=float(gt1.max() - gt1.min()) / 1e3,
