@@ -35,23 +35,57 @@ def model_shape(q_heads, kv_heads, head_dim, window=None):
 OSS = model_shape(64, 8, 64)     # gpt-oss 64/8 heads, head_dim 64
 
 # Run 16 (results/decode_attention_sweep.md) set the fp8 ring slots; run 17 the
-# CTAs per SM of fp8 head_dim-64 single-split launches (4). Run 18: how stable
-# that row is from pass to pass (the --fp8 rows table saw a spread of 12 us on
-# it) against deeper rings at the same occupancy; --passes times every
-# candidate once per pass, interleaved.
+# CTAs per SM of fp8 head_dim-64 single-split launches (4); run 18 the CTAs per
+# SM of fp8 short windows (2). Run 19: releasing PDL dependents at the kernel's
+# entry (``early_release``) against after K/V streaming, on the op's own config
+# of every goal row (bf16 and fp8) and two gpt-oss fp8 rows; --passes times
+# every candidate once per pass, interleaved.
 def _f8(*a, **kw):
     return C(*a, **kw, kv_dtype="fp8_e4m3")
 
 
 OSS8 = OSS.replace(kv_cache_dtype="fp8_e4m3")
-W64 = model_shape(64, 8, 128).replace(kv_cache_dtype="fp8_e4m3")
-ROWS = {
-    "fp8 oss 64/8 d64 B=64 L=8k": (OSS8, 64, 8192, None, [
-        _f8(1, 4, 2, 1, False, 4, 64, 8), _f8(1, 4, 4, 1, False, 4, 64, 8)]),
-    "fp8 64/8 d128 B=32 w128": (W64.replace(layer_types=("sliding",), sliding_window=128), 32, 8192, 128, [
-        _f8(1, 4, 2, 1, False, 0, 128, 8), _f8(1, 4, 3, 1, False, 0, 128, 8), _f8(1, 4, 2, 1, False, 2, 128, 8),
-        _f8(1, 4, 3, 1, False, 2, 128, 8)]),
-}
+
+
+def _release_pair(spec, batch, window):
+    """The op's config of the row (early_release as the rule has it), then the other release."""
+    from dataclasses import replace
+
+    gqa = spec.q_heads_per_rank // spec.kv_heads_per_rank
+    cfg = dac.launch_config(batch=batch, num_kv_heads=spec.kv_heads_per_rank, sliding=window is not None,
+                            window=window, head_dim=spec.head_dim, gqa=gqa, page_size=spec.page_size, num_sms=132,
+                            kv_dtype=spec.kv_cache_dtype)
+    return [cfg, replace(cfg, early_release=not cfg.early_release)]
+
+
+def _rows():
+    """Run 19b: the rows where early release lost or tied in 19a (clusters, the bf16 window, gpt-oss B=64 x 8k),
+    and the window rows' ring slots and CTAs per SM once CTAs enter early."""
+    from dataclasses import replace as rp
+
+    from benchmarks.decode_attention import GOAL_ROWS, GPT_OSS_TP
+
+    tp2, wide = GOAL_ROWS[3][0], GOAL_ROWS[6][0]
+    oss8 = GPT_OSS_TP[0].replace(kv_cache_dtype="fp8_e4m3")
+    rows = {}
+    for dt in ("bf16", "fp8_e4m3"):
+        tag = "fp8" if dt != "bf16" else "bf16"
+        s = wide.replace(kv_cache_dtype=dt)
+        op, other = _release_pair(s, 32, 128)
+        early = other if other.early_release else op
+        rows[f"{tag} 64/8 d128 B=32 L=8k w128"] = (s, 32, 8192, 128, [op, early] + [
+            rp(early, num_stages=n, ctas_per_sm=c) for n, c in ((2, 0), (2, 2), (3, 0), (3, 2))
+            if (n, c) != (early.num_stages, early.ctas_per_sm)])
+        s = tp2.replace(kv_cache_dtype=dt)
+        rows[f"{tag} 16/2 d128 B=8 L=8k w128"] = (s, 8, 8192, 128, _release_pair(s, 8, 128))
+    op, other = _release_pair(oss8, 64, 128)
+    rows["fp8 oss 64/8 d64 B=64 L=1k w128"] = (oss8, 64, 1024, 128, [op, other, rp(other, num_stages=3),
+                                                                      rp(other, ctas_per_sm=2)])
+    rows["fp8 oss 64/8 d64 B=64 L=8k"] = (oss8, 64, 8192, None, _release_pair(oss8, 64, None))
+    return rows
+
+
+ROWS = _rows()
 
 
 @contextlib.contextmanager

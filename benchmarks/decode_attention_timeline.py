@@ -78,8 +78,8 @@ PATCHES = [
     (f"{I8}cute.arch.griddepcontrol_wait()\n{I8}for s in cutlass.range_constexpr(NUM_STAGES - 1):\n",
      f"{I8}cute.arch.griddepcontrol_wait()\n{I8}if warp * 32 + lane == 0:\n{I12}_clk(st_row + 16)\n"
      f"{I8}for s in cutlass.range_constexpr(NUM_STAGES - 1):\n"),
-    (f"{I12}cute.arch.griddepcontrol_launch_dependents()\n",
-     f"{I12}cute.arch.griddepcontrol_launch_dependents()\n{I12}if tid == 0:\n{I12}    _clk(st_row + 24)\n"),
+    (f"{I12}# K/V streaming is done: let a PDL-launched successor start its\n",
+     f"{I12}if tid == 0:\n{I12}    _clk(st_row + 24)\n{I12}# K/V streaming is done: let a PDL-launched successor start its\n"),
     (f"{I12}if cutlass.const_expr(CLUSTER):\n{I12}    attention_combine.cluster_reduce(",
      f"{I12}if tid == 0:\n{I12}    _clk(st_row + 32)\n"
      f"{I12}if cutlass.const_expr(CLUSTER):\n{I12}    attention_combine.cluster_reduce("),

@@ -156,12 +156,11 @@ def test_head_errors_floor():
 @pytest.mark.parametrize("gqa, head_dim", PAIRS, ids=["g{}-d{}".format(*p) for p in PAIRS])
 def test_fp8_configs_by_bytes(gqa, head_dim):
     """Every batch and window kind: the bf16 choice with half the slice
-    bytes, bf16's stages (one fewer for windows, at least 2; more only where
-    the epilogue scratch needs them), everything
-    else unchanged; same fragment registers. Except head_dim 64's
-    single-split launches past one wave of two CTAs per SM: 4 per SM, 2 slots;
-    and short windows' uncapped single-split launches of one to two pairs per
-    SM: at most 2 CTAs per SM."""
+    bytes, bf16's stages (one fewer for windows, at least 2; FP8_SLIDING_KEEP_BF16_SLOTS
+    keep bf16's, at least 3 for one split; more only where the epilogue
+    scratch needs them), everything else unchanged; same fragment registers.
+    Except head_dim 64's single-split launches past one wave of two CTAs per
+    SM: 4 per SM, 2 slots."""
     for kv in (1, 8):
         for window in (None, 128, 4096):
             kw = dict(max_batch=256, num_kv_heads=kv, sliding=window is not None, window=window,
@@ -178,15 +177,17 @@ def test_fp8_configs_by_bytes(gqa, head_dim):
                                                     ctas_per_sm=dac.FP8_D64_CTAS_PER_SM), (b, x, y)
                     continue
                 keep = (head_dim, gqa) in dac.FP8_SLIDING_KEEP_BF16_SLOTS
-                want = max(2, x.num_stages - 1) if window and not keep else x.num_stages
+                if not window:
+                    want = x.num_stages
+                elif keep:
+                    want = max(3, x.num_stages) if x.num_splits == 1 else x.num_stages
+                else:
+                    want = max(2, x.num_stages - 1)
                 assert want <= y.num_stages <= 2 * x.num_stages, (b, x, y)
                 if y.num_stages > want:     # only where one slot fewer leaves the epilogue scratch no room
                     with pytest.raises(ValueError, match="epilogue scratch"):
                         dataclasses.replace(y, num_stages=y.num_stages - 1)
-                capped = (window is not None and dac.is_short_window(window) and x.num_splits == 1
-                          and not x.cluster and x.ctas_per_sm == 0 and 132 < b * kv <= 2 * 132)
-                cap = dac.FP8_SLIDING_CTAS_PER_SM if capped else x.ctas_per_sm
-                assert y.as_params() == dict(x.as_params(), num_stages=y.num_stages, ctas_per_sm=cap)
+                assert y.as_params() == dict(x.as_params(), num_stages=y.num_stages)
                 assert y.kv_parts == x.kv_parts and y.ring_bytes <= x.ring_bytes
 
 
@@ -199,8 +200,7 @@ def test_fp8_check_supported():
 
 def test_fp8_variants_and_source():
     """Batch by batch, the fp8 variant is the bf16 one plus kv_fp8 (names of
-    bf16 variants unchanged) with its own stages (and short windows' CTAs-per-SM
-    cap, which can split one bf16 variant's batches in two); the rendered fp8
+    bf16 variants unchanged) with its own stages; the rendered fp8
     module takes k_scale / v_scale, the bf16 one renders KV_FP8 = False and no
     scale argument."""
     plain, f8 = KDEF.bind(FLINT, T132, _no_load)._variants, KDEF.bind(FP8, T132, _no_load)._variants
@@ -209,9 +209,7 @@ def test_fp8_variants_and_source():
     assert {s.name for _, s in by_pair.values()} == {v.name for v in KDEF.variants(FP8, T132)}
     for p, s in by_pair.values():
         assert "kv_fp8" not in p.name and "-kv_fp81-" in s.name
-        assert dict(s.params) == dict(p.params, kv_fp8=True, num_stages=s["num_stages"], ctas_per_sm=s["ctas_per_sm"])
-        assert s["ctas_per_sm"] == p["ctas_per_sm"] or (   # short windows' capped launches (_fp8_by_bytes)
-            p["sliding"] and p["ctas_per_sm"] == 0 and s["ctas_per_sm"] == dac.FP8_SLIDING_CTAS_PER_SM)
+        assert dict(s.params) == dict(p.params, kv_fp8=True, num_stages=s["num_stages"])
         src_p = codegen.render(p.kernel, KDEF.template, dict(KDEF.render_params(FLINT, p)))
         src_s = codegen.render(s.kernel, KDEF.template, dict(KDEF.render_params(FP8, s)))
         code_p = [ln.split("#")[0] for ln in src_p.splitlines()]
@@ -488,7 +486,7 @@ WAVE_SPECS = [fp8_spec(g, 64, kv=8, window=4096, sinks=g == 1, max_batch=40) for
 WAVE_PLAN = [(None, 33), (None, 40), (4096, 40)]
 
 # short windows at one to two single-split pairs per SM (133..264): at most 2 CTAs per SM
-# (FP8_SLIDING_CTAS_PER_SM); head_dim 64 GQA 1 keeps 3 slots (FP8_SLIDING_KEEP_BF16_SLOTS)
+# (SHORT_WINDOW_CTAS_PER_SM); head_dim 64 GQA 1 keeps 3 slots (FP8_SLIDING_KEEP_BF16_SLOTS)
 CAP_SPECS = [fp8_spec(g, d, kv=8, window=128, sinks=g != 4, softcap=d == 256, max_batch=33)
              for g, d in ((8, 128), (1, 64), (4, 256), (3, 96))]
 CAP_PLAN = [17, 32, 33]
@@ -583,7 +581,7 @@ def test_fp8_short_window_two_ctas_per_sm(precompiled_fp8_cap, idx):
     cap = 50.0 if spec.attn_logit_softcap else None
     for b in CAP_PLAN:
         cfg = op.config(b, True)
-        assert cfg.num_splits == 1 and cfg.ctas_per_sm == dac.FP8_SLIDING_CTAS_PER_SM, cfg
+        assert cfg.num_splits == 1 and cfg.ctas_per_sm == dac.SHORT_WINDOW_CTAS_PER_SM and cfg.early_release, cfg
         lens = [rnd.randint(0, 3000) for _ in range(b)]
         edges = _edges(spec.page_size, 128)
         lens[:len(edges)] = edges

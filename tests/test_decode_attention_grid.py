@@ -35,7 +35,7 @@ import random
 
 import pytest
 
-from flintgen import cache
+from flintgen import cache, codegen
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef
@@ -79,10 +79,30 @@ def test_grid_configs_valid(gqa, head_dim):
                                        head_dim=head_dim, gqa=gqa, page_size=16, num_sms=sms)
                 for b, c in cfgs.items():        # __post_init__ validated smem, epilogue, merge, cluster
                     assert (c.head_dim, c.gqa) == (head_dim, gqa)
-                    assert c.cluster == (window is not None and dac.is_short_window(window) and b * kv <= 64)
+                    short = window is not None and dac.is_short_window(window)
+                    assert c.cluster == (short and b * kv <= 64)
+                    assert c.early_release == (not c.cluster)      # the release rule (DecodeAttentionConfig)
+                    if short and sms < b * kv <= 2 * sms:          # one to two single-split pairs per SM
+                        assert (c.num_splits, c.num_stages, c.ctas_per_sm) == (1, 2, dac.SHORT_WINDOW_CTAS_PER_SM)
                     assert c.kv_parts == (2 if head_dim == 256 else 1)
                     assert c.ring_bytes + 4 * c.cluster_floats <= dac.SMEM_PER_CTA_MAX
                 assert dac.max_partials(cfgs, kv) <= 3 * sms   # head_dim 64: 3 splits x 88 pairs
+
+
+def test_early_release_rule_and_override():
+    """None resolves to the rule (every launch but clusters); an explicit value stays and names the binary."""
+    one, clu = dac.DecodeAttentionConfig(1, 4, 2, 1, False, 2), dac.DecodeAttentionConfig(4, 4, 3, 1, True, 0)
+    assert one.early_release is True and clu.early_release is False
+    late = dac.DecodeAttentionConfig(1, 4, 2, 1, False, 2, early_release=False)
+    assert late.early_release is False and late != one and late.as_params()["early_release"] is False
+    spec = grid_spec(8, 128, kv=8, window=128, max_batch=33)
+    names = {v.name for v in KDEF.variants(spec, T132)}
+    assert any("-early_release1-" in n and "-cluster0-" in n for n in names)
+    assert any("-early_release0-" in n and "-cluster1-" in n for n in names)
+    for v in KDEF.variants(spec, T132):
+        src = codegen.render(v.kernel, KDEF.template, dict(KDEF.render_params(spec, v)))
+        assert f"EARLY_RELEASE = {not v['cluster']}" in src
+        assert ("dependents are released at entry" in src) == (not v["cluster"])
 
 
 @pytest.mark.parametrize("gqa", [9, 12, 16])
@@ -249,3 +269,41 @@ def test_long_windows_on_the_split_path(precompiled_grid, idx):
         out = case.poisoned_out()
         op(*case.args(out))
         case.check(out, f"long window {spec.name} W={w} {op.config(4, True).as_params()}")
+
+
+# short windows at one to two single-split pairs per SM (133..264 with 8 kv heads): 2 slots, at most 2 CTAs
+# per SM (SHORT_WINDOW_CTAS_PER_SM), dependents released at entry; bf16 here, fp8 in test_decode_attention_fp8
+CAP_SPECS = [grid_spec(g, d, kv=8, window=128, sinks=g != 4, softcap=d == 256, max_batch=33)
+             for g, d in ((8, 128), (1, 64), (4, 256), (3, 96))]
+CAP_PLAN = [17, 32, 33]
+
+
+@pytest.fixture(scope="module")
+def precompiled_cap():
+    from flintgen import toolchain
+
+    n = precompile([(s, [(128, b) for b in CAP_PLAN]) for s in CAP_SPECS], KDEF, toolchain.resolve_target(), _no_load)
+    record(f"precompiled {n} capped-window variants")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(CAP_SPECS)))
+def test_short_window_two_ctas_per_sm(precompiled_cap, idx):
+    """8 kv heads x B = 17, 32, 33 (136, 256, 264 pairs) with window 128: the capped single-split launch;
+    window, slice and page edge lengths, fresh inputs, poisoned outputs."""
+    import flintgen
+
+    spec = CAP_SPECS[idx]
+    op = flintgen.get_kernel(spec, "decode_attention")
+    rnd = random.Random(270 + idx)
+    cap = 50.0 if spec.attn_logit_softcap else None
+    for b in CAP_PLAN:
+        cfg = op.config(b, True)
+        assert (cfg.num_splits, cfg.num_stages, cfg.ctas_per_sm, cfg.early_release) == (1, 2, 2, True), cfg
+        lens = [rnd.randint(0, 3000) for _ in range(b)]
+        edges = _edges(spec.page_size, 128)
+        lens[:len(edges)] = edges
+        case = Case(spec, lens, 128, seed=rnd.randint(0, 2**31), softcap=cap, q_scale=30.0 if cap else 1.5)
+        out = case.poisoned_out()
+        op(*case.args(out), **case.kwargs())
+        case.check(out, f"capped window {spec.name} b={b} {cfg.as_params()}")

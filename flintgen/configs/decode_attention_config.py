@@ -61,6 +61,9 @@ SMEM_PER_CTA_MAX = 227 * 1024          # opt-in maximum of one CTA
 # start) count as "short": the cluster design was measured with window 128
 # (8-9 slices). Longer windows use the full-attention rule.
 SHORT_WINDOW_MAX_PAGES = 32
+# Short windows of one split per pair, more pairs than SMs but at most two
+# per SM: 2 ring slots and at most 2 CTAs per SM (launch_config).
+SHORT_WINDOW_CTAS_PER_SM = 2
 MAX_CLUSTER = 8                        # portable thread-block cluster size
 # Active splits from which 4 CTAs merge a pair's 8-head partials (fewer: the
 # last CTA alone); measured crossover 32..48 (launch_config).
@@ -93,8 +96,21 @@ class DecodeAttentionConfig:
     # The cache's element type (a shape field like head_dim): "bf16" or
     # "fp8_e4m3" (half the slice bytes; the same fragment registers).
     kv_dtype: str = "bf16"
+    # Release PDL dependents at the kernel's entry (else once this CTA's K/V
+    # streaming is done): the next launch's CTAs then take each SM slot as it
+    # frees and prefetch their leading slices before their grid-dependency
+    # wait. None: the rule, every launch but clusters. Sweep run 19
+    # (2026-12-03, H200, interleaved passes; results/decode_attention_sweep.md):
+    # 64/8 d128 B=32 window 128 fp8 5.87 -> 5.06 us, gpt-oss d64 B=64 window
+    # 128 fp8 5.70 -> 5.08, 16/2 B=8 x 8k bf16 20.10 -> 19.68, B=1 x 1k 5.34
+    # -> 5.15, bandwidth rows equal or up to 0.7 % faster; clusters slower
+    # (16/2 B=8 window 128, 4-CTA clusters: bf16 3.22 -> 3.32, fp8 3.32 ->
+    # 3.71): their peers must all be resident before any DSMEM store.
+    early_release: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.early_release is None:
+            object.__setattr__(self, "early_release", not self.cluster)
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps = {self.num_warps} is not supported: the epilogue maps "
                              f"{self.tile_heads} heads x {self.head_dim} dims onto 4 or 8 warps")
@@ -197,7 +213,7 @@ class DecodeAttentionConfig:
         return {"num_splits": self.num_splits, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "min_pages": self.min_pages,
                 "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm, "merge_ctas": self.merge_ctas,
-                "merge_from": self.merge_from}
+                "merge_from": self.merge_from, "early_release": self.early_release}
 
 
 def check_supported(*, head_dim: int, gqa: int, page_size: int, kv_dtype: str = "bf16") -> None:
@@ -260,23 +276,20 @@ def launch_config(*, batch: int, num_kv_heads: int, sliding: bool, window: int |
                               head_dim=head_dim, gqa=gqa, page_size=page_size, num_sms=num_sms)
     if kv_dtype == "bf16":
         return cfg
-    return _fp8_by_bytes(cfg, kv_dtype, sliding, pairs=batch * num_kv_heads, num_sms=num_sms,
-                         short_window=sliding and is_short_window(window))
+    return _fp8_by_bytes(cfg, kv_dtype, sliding, pairs=batch * num_kv_heads, num_sms=num_sms)
 
 
 # (head_dim, GQA) whose fp8 sliding kernels keep bf16's ring slots (``_fp8_by_bytes``).
 FP8_SLIDING_KEEP_BF16_SLOTS = frozenset({(64, 1), (64, 7)})
 # CTAs per SM of fp8 head_dim-64 single-split launches (``_fp8_by_bytes``).
 FP8_D64_CTAS_PER_SM = 4
-# CTAs per SM of fp8 sliding single-split launches of one to two pairs per SM (``_fp8_by_bytes``).
-FP8_SLIDING_CTAS_PER_SM = 2
 
 
 def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool,
-                  pairs: int = 1, num_sms: int = 132, short_window: bool = False) -> DecodeAttentionConfig:
+                  pairs: int = 1, num_sms: int = 132) -> DecodeAttentionConfig:
     """The bf16 choice ``cfg`` for a cache of 1-byte elements (half the slice
     bytes, the same fragment registers); ``pairs``: the launch's (request, kv
-    head) pairs; ``short_window``: a window of is_short_window. H200, fp8 e4m3, sweep run 16
+    head) pairs. H200, fp8 e4m3, sweep run 16
     (results/decode_attention_sweep.md):
 
     * stages: bf16's (fewer bytes in flight; bandwidth rows do not need
@@ -290,7 +303,7 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool,
       128 5.67 / 6.32 / 6.44. Except FP8_SLIDING_KEEP_BF16_SLOTS (head_dim,
       GQA): their 2-slot single-split kernel spills (ptxas, sm_90a: 8 bytes
       of stack at 80 registers; 3 and 4 slots compile clean), so they keep
-      bf16's slots.
+      bf16's slots, at least 3 for one split.
     * splits, warps, min_pages and the merges: bf16's (64/8 B=128: 2 splits
       537 us, 8 warps 540 against 525; window 128: 8 warps 8.34, 2-CTA
       clusters 9.67 against 7.03).
@@ -307,31 +320,20 @@ def _fp8_by_bytes(cfg: DecodeAttentionConfig, kv_dtype: str, sliding: bool,
       FP8_SLIDING_KEEP_BF16_SLOTS' long windows (their 2-slot binary spills
       here too: 8 bytes at 80 registers). Not at
       head_dim 128 (64/8 d128 B=128 x 8k: 3 or 4 per SM 547 against 522).
-    * short windows (is_short_window), one split per pair, more pairs than
-      SMs but at most two per SM: at most 2 CTAs per SM
-      (``FP8_SLIDING_CTAS_PER_SM``; measured at window 128, latency-bound). Uncapped,
-      the block scheduler put 0 to 3 of the window's CTAs on an SM (the next
-      launch's CTAs land beside the previous one's), and the kernel ends with
-      its slowest SM. Sweep run 18 (2026-12-03, six interleaved passes), 64/8
-      d128 B=32 window 128 (256 pairs): 5.83 us (spread 0.05) against 6.19
-      (0.07) uncapped; with 3 slots 6.29 / 6.93. Per-CTA timeline
-      (decode_attention_timeline): 1-2 CTAs per SM, the CTAs' exits spread
-      over 1.8 us against 3.1.
     """
     waves_at_two = -(-pairs // (2 * num_sms))
     if (cfg.head_dim == 64 and cfg.layout.num_tiles == 1 and cfg.num_splits == 1 and cfg.ctas_per_sm == 2
             and not cfg.cluster and waves_at_two > 1):
         keep = sliding and (cfg.head_dim, cfg.gqa) in FP8_SLIDING_KEEP_BF16_SLOTS   # their 2-slot binary spills
         return replace(cfg, kv_dtype=kv_dtype, num_stages=3 if keep else 2, ctas_per_sm=FP8_D64_CTAS_PER_SM)
-    fewer = sliding and (cfg.head_dim, cfg.gqa) not in FP8_SLIDING_KEEP_BF16_SLOTS
-    stages = max(2, cfg.num_stages - 1) if fewer else cfg.num_stages
-    ctas_per_sm = cfg.ctas_per_sm
-    if (short_window and cfg.num_splits == 1 and not cfg.cluster and cfg.ctas_per_sm == 0
-            and num_sms < pairs <= 2 * num_sms):
-        ctas_per_sm = FP8_SLIDING_CTAS_PER_SM
+    stages = cfg.num_stages
+    if sliding and (cfg.head_dim, cfg.gqa) in FP8_SLIDING_KEEP_BF16_SLOTS:
+        stages = max(3, stages) if cfg.num_splits == 1 else stages    # their 2-slot single-split binary spills
+    elif sliding:
+        stages = max(2, stages - 1)
     while True:
         try:
-            return replace(cfg, kv_dtype=kv_dtype, num_stages=stages, ctas_per_sm=ctas_per_sm)
+            return replace(cfg, kv_dtype=kv_dtype, num_stages=stages)
         except ValueError:
             if stages >= 2 * cfg.num_stages:
                 raise
@@ -381,6 +383,17 @@ def _launch_config_bf16(*, batch: int, num_kv_heads: int, sliding: bool, window:
             return _fit_cluster(8, 2, head_dim, gqa)
         if num_bh <= 64:
             return _fit_cluster(4, 3, head_dim, gqa)
+        # One split per pair from here. One to two pairs per SM: 2 ring slots,
+        # at most 2 CTAs per SM (SHORT_WINDOW_CTAS_PER_SM). Uncapped, the block
+        # scheduler puts 0 to 3 of the window's CTAs on an SM (the next
+        # launch's CTAs land beside this one's) and the kernel ends with its
+        # slowest SM; a third slot is slower with or without the cap. Sweep
+        # run 19 (2026-12-03, H200, six interleaved passes, dependents
+        # released at entry), 64/8 d128 B=32 window 128 (256 pairs), slots /
+        # cap: bf16 2 / 2 5.56 us, 3 / 2 6.22, 3 / none 6.23, 2 / none 6.32;
+        # fp8 2 / 2 5.19, 3 / 2 5.56, 3 / none 5.81, 2 / none 5.84.
+        if num_sms < num_bh <= 2 * num_sms:
+            return DecodeAttentionConfig(1, 4, 2, 1, False, SHORT_WINDOW_CTAS_PER_SM, head_dim, gqa)
         return DecodeAttentionConfig(1, 4, 3, 1, False, 0, head_dim, gqa)
     if head_dim == 64:
         return _full_attention_d64(num_bh, num_sms, gqa)

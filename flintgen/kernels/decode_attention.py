@@ -141,7 +141,7 @@ class DecodeAttentionDef(KernelDef):
         p = dict(variant.params)
         cfg = dac.DecodeAttentionConfig(**{k: p[k] for k in (
             "num_splits", "num_warps", "num_stages", "min_pages", "cluster", "ctas_per_sm", "head_dim", "gqa",
-            "merge_ctas", "merge_from")}, kv_dtype="fp8_e4m3" if p.get("kv_fp8") else "bf16")
+            "merge_ctas", "merge_from", "early_release")}, kv_dtype="fp8_e4m3" if p.get("kv_fp8") else "bf16")
         pad = 0
         if cfg.ctas_per_sm:
             pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
