@@ -265,6 +265,7 @@ def summarize(per, names=None):
     """Median over runs of flintgen and each peer, with spreads; a peer that
     failed records its error instead. ``per``: one ``measure`` dict per run;
     ``names``: its keys, "flintgen" first (default flintgen and PEERS).
+    ``extra["runs_us"]`` / ``extra[f"{name}_runs_us"]``: each run's µs in run order.
     ``extra["beats_peers_beyond_spread"]``: flintgen's median + both spreads
     is below every timed peer's median. Where flintgen refused the shape the
     median is None and its reason is ``extra["flintgen_error"]``."""
@@ -274,6 +275,7 @@ def summarize(per, names=None):
         if all(isinstance(v, float) for v in vals):
             peers[name] = statistics.median(vals)
             extra["spread_us" if name == "flintgen" else f"{name}_spread_us"] = max(vals) - min(vals)
+            extra["runs_us" if name == "flintgen" else f"{name}_runs_us"] = vals     # in run order
         else:
             extra[f"{name}_error"] = next(v for v in vals if not isinstance(v, float))
     med = peers.pop("flintgen", None)

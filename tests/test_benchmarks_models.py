@@ -81,6 +81,7 @@ def test_refusals_are_cells():
     assert extra["beats_peers_beyond_spread"] is False
     med, peers, extra = da.summarize([{"flintgen": 5.0 + i, "XQA": 10.0, "FA4": 20.0} for i in range(3)])
     assert med == 6.0 and extra["spread_us"] == 2.0 and extra["beats_peers_beyond_spread"]
+    assert extra["runs_us"] == [5.0, 6.0, 7.0] and extra["XQA_runs_us"] == [10.0] * 3
 
 
 def test_results_with_a_refused_row(tmp_path):
