@@ -39,7 +39,11 @@ def _seed_launch_config(batch, num_kv_heads, sliding, num_sms):
     if sliding:
         if batch <= 2:
             return 8, 4, 2, 1, True
-        return (4, 4, 3, 1, True) if batch <= 16 else (1, 4, 3, 1, False)
+        if batch <= 16:
+            return 4, 4, 3, 1, True
+        # The seed has 3 slots here; flintgen 2 (and at most 2 CTAs per SM) where
+        # the pairs fill one to two per SM (measured, see the config module).
+        return (1, 4, 2, 1, False) if num_sms < num_bh <= 2 * num_sms else (1, 4, 3, 1, False)
     if batch <= 2:
         # The seed has min_pages 2 here; flintgen uses 1 (measured, see the config module).
         return max(1, num_sms // num_bh), 8, 2, 1, False
@@ -62,7 +66,9 @@ def test_heuristics_follow_the_seed_for_flint(sliding):
         c = _cfg(b, sliding)
         assert (c.num_splits, c.num_warps, c.num_stages, c.min_pages, c.cluster) == \
             _seed_launch_config(b, 4, sliding, 132), b
-        assert c.ctas_per_sm == (0 if sliding else 8 // c.num_warps)
+        capped = sliding and 132 < 4 * b <= 264
+        assert c.ctas_per_sm == (dac.SHORT_WINDOW_CTAS_PER_SM if capped else 0 if sliding else 8 // c.num_warps)
+        assert c.early_release == (not c.cluster)
 
 
 @pytest.mark.parametrize("kv", [1, 2, 4, 8, 16])
@@ -117,7 +123,7 @@ def test_flint_variants_cover_every_batch():
     vs = KDEF.variants(FLINT, T132)
     names = [v.name for v in vs]
     assert len(names) == len(set(names))
-    assert sum(v["sliding"] for v in vs) == 3 and len(vs) == 18   # 3 sliding + 15 full
+    assert sum(v["sliding"] for v in vs) == 4 and len(vs) == 19   # 4 sliding (2 clusters, capped, one split) + 15 full
     op = KDEF.bind(FLINT, T132, _no_load)
     for sliding in (True, False):
         for b in range(1, FLINT.max_batch + 1):

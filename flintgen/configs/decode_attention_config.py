@@ -1,17 +1,15 @@
 """Launch configuration of split-KV paged decode attention (cute-free).
 
-Provenance: the rule in ``launch_config`` starts from the hand-written Flint
-kernel's ``_launch_config`` (the design page, shared/seeds/000_*.txt), tuned
-there on an H200 (132 SMs) for Flint's 4 kv heads, GQA 8, head_dim 128,
-16-token pages and a 128-token window, restated in (request, kv head) pairs.
-flintgen's own H200 measurements changed it where marked below (small batches,
-GQA 16, one head_dim-64 pair); the head_dim-64 rule is derived from the
-head_dim-128 one by the bytes each unit of work moves. Tables of the choices
+The rule starts from the hand-written Flint kernel's ``_launch_config`` (the
+design page, shared/seeds/000_*.txt: an H200, Flint's 4 kv heads, GQA 8,
+head_dim 128, 16-token pages, a 128-token window), restated in (request, kv
+head) pairs and re-measured on flintgen's own kernels; each band below states
+its current rule and the measurement it rests on (how the rules changed:
+benchmarks/results/history/decode_attention_config.md). Tables of the choices
 against the bandwidth floor and the peers: benchmarks/results/decode_attention
-{,_gpt_oss,_shapes,_models}.md; alternatives timed against each other:
-benchmarks/results/decode_attention_sweep.md. Windows past the cluster band
-take the full-attention rule (measured there at 512, 1024 and 4096: sweep
-runs 13-14).
+{,_gpt_oss,_shapes,_models,_fp8}.md; alternatives timed against each other:
+benchmarks/results/decode_attention_sweep.md. Windows past the short band take
+the full-attention rule (measured at 512, 1024 and 4096: sweep runs 13-14).
 
 Terms (numbers and shapes: flintgen/layout.py): a *slice* is
 SLICE_TOKENS = 16 tokens of one kv head's page, [16, 2 * head_dim] bf16 (8 KB
@@ -345,140 +343,102 @@ def _launch_config_bf16(*, batch: int, num_kv_heads: int, sliding: bool, window:
     """The configuration of a bf16 cache for a static batch size (launch shape depends on it alone).
 
     ``window``: the spec's sliding-window length (used only when ``sliding``).
-    ``gqa``: q heads per kv head *per rank*.
-
-    Page size never changes the choice: the unit of work is the 16-token
-    slice whatever the page (only which block-table entry a slice's address
-    comes from differs). GQA 4 gets the GQA-8 choice of its head_dim (its 4
-    heads pad one 8-column tile: the same work; decode_attention_shapes.md).
-    GQA 16 streams the same bytes but its partials hold twice the heads, so
-    the single-CTA merge costs twice as much: fewer splits at small batches
-    (measured, below).
+    ``gqa``: q heads per kv head *per rank*. Page size never changes the
+    choice: the unit of work is the 16-token slice whatever the page. GQA 4
+    gets the GQA-8 choice of its head_dim (its 4 heads pad one 8-column tile:
+    the same work); GQA 9-16 stream the same bytes with partials of twice the
+    heads. Each band's rule below carries its latest measurement (H200,
+    CUDA-graph replay; decode_attention_sweep.md); how the rules got here:
+    benchmarks/results/history/decode_attention_config.md.
     """
     check_supported(head_dim=head_dim, gqa=gqa, page_size=page_size)
     if batch < 1 or num_kv_heads < 1 or num_sms < 1:
         raise ValueError(f"batch={batch}, num_kv_heads={num_kv_heads}, num_sms={num_sms} must be >= 1")
     num_bh = batch * num_kv_heads
     if sliding and is_short_window(window):
-        # Window 128 = 8-9 slices per (request, kv head): too little work to
-        # split across SMs through global memory, so the splits of a pair form
-        # a cluster and merge in DSMEM. Seed, measured at 4 kv heads: batch <= 2
-        # (8 pairs) -> 8 splits of 4 warps (one slice per warp, 2 stages
-        # suffice); batch <= 16 (64 pairs) -> 4 splits, 3 stages; above that
-        # one CTA per pair already fills the GPU (68+ CTAs) and a cluster merge
-        # only adds barriers. The slice count of a window does not depend on
-        # head_dim, so head_dim 64 keeps these bands (unmeasured), with the
-        # cluster shrunk where its merge mapping needs it (_fit_cluster).
-        #
-        # flintgen's own H200 timings (2026-11-29; CUDA-graph replay of 20
-        # back-to-back launches, window 128, seq_len 8199 = 9 pages; see
-        # benchmarks/results/decode_attention_correctness.md), not adopted
-        # yet because the seed measured inside the model and the benchmark
-        # harness should confirm: batch 16 (64 pairs) takes 7.24 us with the
-        # seed's 4-CTA clusters vs 4.19 us with 2-CTA clusters and 4.28 us
-        # with one split (256 clustered CTAs look like more than one wave);
-        # batch 8: 4.27 / 3.73 / 3.97 us; batch 12: 4.47 / 4.25 / 4.16 us;
-        # batch 256: 30.8 us with 3 stages vs 27.9 us with 2.
-        if num_bh <= 8:
-            return _fit_cluster(8, 2, head_dim, gqa)
-        if num_bh <= 64:
-            return _fit_cluster(4, 3, head_dim, gqa)
-        # One split per pair from here. One to two pairs per SM: 2 ring slots,
-        # at most 2 CTAs per SM (SHORT_WINDOW_CTAS_PER_SM). Uncapped, the block
-        # scheduler puts 0 to 3 of the window's CTAs on an SM (the next
-        # launch's CTAs land beside this one's) and the kernel ends with its
-        # slowest SM; a third slot is slower with or without the cap. Sweep
-        # run 19 (2026-12-03, H200, six interleaved passes, dependents
-        # released at entry), 64/8 d128 B=32 window 128 (256 pairs), slots /
-        # cap: bf16 2 / 2 5.56 us, 3 / 2 6.22, 3 / none 6.23, 2 / none 6.32;
-        # fp8 2 / 2 5.19, 3 / 2 5.56, 3 / none 5.81, 2 / none 5.84.
-        if num_sms < num_bh <= 2 * num_sms:
-            return DecodeAttentionConfig(1, 4, 2, 1, False, SHORT_WINDOW_CTAS_PER_SM, head_dim, gqa)
-        return DecodeAttentionConfig(1, 4, 3, 1, False, 0, head_dim, gqa)
+        return _short_window(num_bh, num_sms, head_dim, gqa)
     if head_dim == 64:
         return _full_attention_d64(num_bh, num_sms, gqa)
     if head_dim == 96:
         return _full_attention_d96(num_bh, num_sms, gqa)
     if head_dim == 256:
         return _full_attention_d256(num_bh, num_sms, gqa)
-    # Full attention (and windows longer than 32 slices): split the
-    # slices of each pair across the SMs. Seed, at 4 kv heads: batch <= 2 (<= 8
-    # pairs) -> one 8-warp CTA per SM (132 // pairs splits, 2 stages);
-    # otherwise two 4-warp CTAs per SM (2 * 132 // pairs splits), 2 stages
-    # while batch <= 4 (16 pairs; flintgen now takes 8-warp CTAs there, below),
-    # then 3 (deeper rings pay once each warp streams many slices). min_pages 2: a warp with a single slice spends more
-    # on its prologue and the merge than on streaming. flintgen's H200
-    # timings (same method as above) agree at long contexts: batch 1 x 32k
-    # 21.4 us (3.2 TB/s) vs 25.8 with 66 x 4-warp splits; batch 8 x 8k 37.9 us
-    # vs 41-43 with 16 splits, 8 warps or 4 stages; batch 128 x 8k 490 us
-    # (4.4 TB/s) for every variant tried. Short contexts are the lead: batch
-    # 1 x 1k takes 7.1 us vs 6.0 with 4 warps (33 splits) or min_pages 1.
-    #
-    # Deviation from the seed, measured (benchmarks/decode_attention_sweep.py,
-    # H200, 2026-11-29, 16/2 heads, B=1): min_pages 1 instead of 2 for these
-    # small batches. At L=1k (64 pages per pair) min_pages 2 leaves 4 active
-    # 8-warp splits, min_pages 1 eight: 7.24 -> 6.15 us (and 4.83 us once the
-    # merge stopped loading inactive splits); at L=32k every split is active
-    # either way (11.27 us).
-    #
-    # Second deviation, measured (same sweep, 2026-11-29 session 2, after the
-    # merge stopped unrolling over static splits): 9..16 pairs also take one
-    # 8-warp CTA per SM (num_sms // pairs splits, min_pages 2). 16/2 heads,
-    # B=8: L=8k 20.48 us vs 21.99 with the seed's 16 x 4-warp splits; L=1k
-    # 6.37 vs 7.19.
-    #
-    # GQA 16 (two head tiles: a split's partial holds 16 heads, twice the
-    # bytes the pair's single-CTA merge reads), measured (sweep run 5,
-    # 32 q / 2 kv, head_dim 128, pages of 64): at <= 8 pairs half the splits
-    # (until the several-CTA merge below),
-    # B=1 L = 1k / 8k / 32k: 33 splits 7.67 / 11.65 / 20.56 us vs 66 8.24 /
-    # 14.32 / 19.05 (XQA 13.54 at 8k); at 17..66 pairs 8-warp CTAs, one per
-    # SM: B=32 L=8k 66.62 us (2 splits) vs 69.39 with 4 x 4-warp splits.
-    #
-    # GQA 16 at <= 8 pairs, revised (sweep runs 6-7, 2026-11-29 session 3):
-    # the single-CTA merge of 16-head partials (8 KB per split) is bound by
-    # one SM; with the last 4 arrivals merging 4 heads each, the full
-    # num_sms // pairs splits pay off. 32 q / 2 kv, head_dim 128: B=1 L = 1k /
-    # 8k / 32k 8.68 / 10.52 / 15.27 us vs 7.64 / 11.58 / 20.49 (33 splits, one
-    # merger); B=4 L = 8k / 32k 13.21 / 38.85 vs 17.59 / 53.27. The same
-    # change slowed Flint's 8 heads (4 KB partials: 16/2 B=1 L=1k / 32k 6.52 /
-    # 11.56 vs 5.43 / 11.42, B=8 L=8k 21.25 vs 20.25), where the merge is
-    # latency-bound, not bandwidth-bound.
-    #
-    # One tile, revised again (sweep run 10, 2026-11-29 session 4): with the
-    # mergers' partial loads issued before the m / l staging (run 8), several
-    # CTAs win once many splits are active, and the active count grows with
-    # seq_len at a fixed launch shape, so the kernel switches at run time
-    # (merge_from). 16/2 B=1, 66 splits, active 8 / 16 / 32 / 48 / 64 / 66 at
-    # L = 1k / 2k / 4k / 6k / 8k / 32k: the last CTA alone 5.42 / 5.91 / 6.21 /
-    # 7.17 / 7.29 / 11.45 us, 4 mergers always 6.23 / 6.48 / 6.67 / 6.65 /
-    # 6.82 / 10.68, switching at 24 active 5.27 / 5.58 / 6.60 / 6.58 / 6.73 /
-    # 10.64: the crossover lies between 32 and 48 active splits, hence
-    # MERGE_FROM_ACTIVE = 40. Pairs with fewer splits than that keep the last
-    # CTA alone (B=2, 33 splits, L=32k: 21.20 alone vs 21.56 with 4; 64/8 B=1,
-    # 16 splits: 35.82 vs 36.48). One pair (132 splits) is extrapolated.
-    two_tiles = AttentionLayout(head_dim=head_dim, gqa=gqa).num_tiles > 1
-    if num_bh <= 8 and two_tiles:
-        return DecodeAttentionConfig(max(1, num_sms // num_bh), 8, 2, 1, False, 1, head_dim, gqa,
-                                     merge_ctas=4 if num_sms // num_bh >= 2 else 1)
-    merge = {}
+    return _full_attention_d128(num_bh, num_sms, gqa)
+
+
+def _short_window(num_bh: int, num_sms: int, head_dim: int, gqa: int) -> DecodeAttentionConfig:
+    """A window of at most SHORT_WINDOW_MAX_PAGES slices (128 tokens: 8-9), too
+    little work per (request, kv head) pair to split through global memory.
+
+    * <= 8 pairs: the pair's splits form a cluster of 8 CTAs (one slice per
+      warp, 2 slots) merging in DSMEM (_fit_cluster shrinks it where the merge
+      mapping needs); <= 64 pairs: clusters of 4, 3 slots. 16/2 B=8 window
+      128 (16 pairs): 3.22 us; releasing dependents at entry is slower there
+      (3.32; sweep run 19).
+    * More pairs: one CTA per pair. One to two pairs per SM: 2 ring slots, at
+      most SHORT_WINDOW_CTAS_PER_SM CTAs per SM (uncapped, the block
+      scheduler puts 0 to 3 of the window's CTAs on an SM and the kernel ends
+      with its slowest SM; a third slot is slower with or without the cap).
+      Sweep run 19 (six interleaved passes, dependents released at entry),
+      64/8 d128 B=32 window 128 (256 pairs), slots / cap: bf16 2 / 2 5.56 us,
+      3 / 2 6.22, 3 / none 6.23, 2 / none 6.32; fp8 2 / 2 5.19, 3 / 2 5.56,
+      3 / none 5.81, 2 / none 5.84. Beyond two per SM: 3 slots, uncapped.
+
+    The slice count of a window does not depend on head_dim: every head_dim
+    takes these bands.
+    """
     if num_bh <= 8:
-        splits = max(1, num_sms // num_bh)
-        warps, stages, min_pages = 8, 2, 1
-        if splits > MERGE_FROM_ACTIVE:
-            merge = dict(merge_ctas=4, merge_from=MERGE_FROM_ACTIVE)
-    elif num_bh <= 16 or (two_tiles and num_sms // num_bh >= 2):
-        # min_pages 1 at 9..16 pairs (sweep run 14, 2026-12-01, 16/2 heads, B=8,
-        # 8 splits): L=1k 5.47 us vs 6.26 with 2, L=8k 20.30 vs 20.25; a window
-        # of 512 on this rule (run 13): 4.84 vs 5.98. Above 16 pairs 1 and 2
-        # measured equal (16/8 B=8, 4 splits: 9.81 / 9.82 at 1k, 65.51 / 65.76
-        # at 8k): min_pages 2 kept.
-        splits = max(1, num_sms // num_bh)
-        warps, stages, min_pages = 8, 2, 1 if num_bh <= 16 else 2
-    else:
-        splits = max(1, 2 * num_sms // num_bh)
-        warps, stages, min_pages = 4, 3, 2
-    return DecodeAttentionConfig(splits, warps, stages, min_pages, False, 8 // warps, head_dim, gqa, **merge)
+        return _fit_cluster(8, 2, head_dim, gqa)
+    if num_bh <= 64:
+        return _fit_cluster(4, 3, head_dim, gqa)
+    if num_bh <= 2 * num_sms and num_bh > num_sms:
+        return DecodeAttentionConfig(num_splits=1, num_warps=4, num_stages=2, min_pages=1, cluster=False,
+                                     ctas_per_sm=SHORT_WINDOW_CTAS_PER_SM, head_dim=head_dim, gqa=gqa)
+    return DecodeAttentionConfig(num_splits=1, num_warps=4, num_stages=3, min_pages=1, cluster=False,
+                                 ctas_per_sm=0, head_dim=head_dim, gqa=gqa)
+
+
+def _full_attention_d128(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
+    """Full attention (and windows past the short band) at head_dim 128 (8 KB
+    slices): a pair's slices are split over the SMs. 16/2 heads unless named;
+    results tables: decode_attention.md, decode_attention_shapes.md.
+
+    * <= 8 pairs: one 8-warp CTA per SM (num_sms // pairs splits), 2 slots,
+      min_pages 1. 16/2 B=1 L = 1k / 32k 5.15 / 10.58 us (sweep run 19);
+      64/8 B=1 L=32k 34.94. More than MERGE_FROM_ACTIVE (40) splits: the last
+      4 CTAs to arrive merge a group of heads each once that many splits are
+      active (merge_from; a runtime count that grows with seq_len: below it
+      the last CTA alone). Sweep run 10, 16/2 B=1 (66 splits) at 8 / 16 / 32
+      / 48 / 64 / 66 active: alone 5.42 / 5.91 / 6.21 / 7.17 / 7.29 / 11.45
+      us, 4 always 6.23 / 6.48 / 6.67 / 6.65 / 6.82 / 10.68.
+    * Two head tiles (GQA 9-16) at <= 8 pairs: the same splits, 4 merging
+      CTAs whenever there are 2+ splits (16-head partials make one merging
+      SM the bound). 32/2 B=1 L = 1k / 8k / 32k 8.68 / 10.52 / 15.27 us
+      against 7.64 / 11.58 / 20.49 with 33 splits and one merger (sweep runs
+      6-7).
+    * 9..16 pairs (two tiles: while num_sms // pairs >= 2): 8-warp CTAs, one
+      per SM, 2 slots; min_pages 1 up to 16 pairs, else 2. 16/2 B=8 L = 1k /
+      8k 5.47 / 20.30 us against 6.26 / 20.25 with min_pages 2 (sweep run
+      14), 19.68 at 8k with dependents released at entry (run 19).
+    * More pairs: two 4-warp CTAs per SM (2 num_sms // pairs splits), 3
+      slots, min_pages 2: B=128 x 8k at 100 % (16/2) and 103 % (64/8) of
+      the read floor (decode_attention.md).
+    """
+    two_tiles = AttentionLayout(head_dim=128, gqa=gqa).num_tiles > 1
+    per_sm = max(1, num_sms // num_bh)
+    if num_bh <= 8 and two_tiles:
+        return DecodeAttentionConfig(num_splits=per_sm, num_warps=8, num_stages=2, min_pages=1, cluster=False,
+                                     ctas_per_sm=1, head_dim=128, gqa=gqa, merge_ctas=4 if per_sm >= 2 else 1)
+    if num_bh <= 8:
+        merge = dict(merge_ctas=4, merge_from=MERGE_FROM_ACTIVE) if per_sm > MERGE_FROM_ACTIVE else {}
+        return DecodeAttentionConfig(num_splits=per_sm, num_warps=8, num_stages=2, min_pages=1, cluster=False,
+                                     ctas_per_sm=1, head_dim=128, gqa=gqa, **merge)
+    if num_bh <= 16 or (two_tiles and per_sm >= 2):
+        return DecodeAttentionConfig(num_splits=per_sm, num_warps=8, num_stages=2,
+                                     min_pages=1 if num_bh <= 16 else 2, cluster=False, ctas_per_sm=1,
+                                     head_dim=128, gqa=gqa)
+    return DecodeAttentionConfig(num_splits=max(1, 2 * num_sms // num_bh), num_warps=4, num_stages=3, min_pages=2,
+                                 cluster=False, ctas_per_sm=2, head_dim=128, gqa=gqa)
 
 
 def _full_attention_d64(num_bh: int, num_sms: int, gqa: int) -> DecodeAttentionConfig:
