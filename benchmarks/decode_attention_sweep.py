@@ -16,6 +16,7 @@ import contextlib
 
 import flintgen
 from flintgen.configs import decode_attention_config as dac
+from flintgen.configs.decode_attention_config import DecodeAttentionConfig as C
 
 # Runs 13-18 (their rows and numbers: results/decode_attention_sweep.md) measured the head_dim-96 / -256 rules,
 # long windows, min_pages above 8 pairs, the fp8 ring slots and CTAs per SM; run 19 releasing PDL dependents
@@ -37,14 +38,25 @@ def _release_pair(spec, batch, window):
 def _rows():
     """Run 20 (not run yet): 64/8 d128 B=128 x 8k fp8, the one --fp8 row still lost (540 us, spread 34, against
     XQA-fp8's 517: one of three table runs far from the others, three tables running) with XQA-fp8 interleaved on
-    the same cache (--passes 8 --xqa): the op's config, released after streaming, and 4 slots."""
+    the same cache (--passes 8 --xqa): the op's config, released after streaming, and 4 slots; and short windows
+    at 33..64 pairs (below)."""
     from dataclasses import replace as rp
 
     from benchmarks.decode_attention import GOAL_ROWS
 
     wide8 = GOAL_ROWS[7][0].replace(kv_cache_dtype="fp8_e4m3")
     op, late = _release_pair(wide8, 128, None)
-    return {"fp8 64/8 d128 B=128 L=8k": (wide8, 128, 8192, None, [op, late, rp(op, num_stages=4)])}
+    rows = {"fp8 64/8 d128 B=128 L=8k": (wide8, 128, 8192, None, [op, late, rp(op, num_stages=4)])}
+    # and the lead of results/history/decode_attention_config.md: window 128 at 33..64 pairs (16/2 heads per
+    # rank, B = 24 / 32) on 4-CTA clusters against 2-CTA clusters and one split per pair released at entry
+    tp2 = GOAL_ROWS[3][0]
+    for b in (24, 32):
+        op, _ = _release_pair(tp2, b, 128)
+        one = C(num_splits=1, num_warps=4, num_stages=3, min_pages=1, cluster=False, ctas_per_sm=0, head_dim=128,
+                gqa=8)
+        rows[f"bf16 16/2 d128 B={b} L=8k w128"] = (tp2, b, 8192, 128, [op, rp(op, num_splits=2), one,
+                                                                      rp(one, num_stages=2)])
+    return rows
 
 
 ROWS = _rows()
