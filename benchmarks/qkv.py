@@ -218,23 +218,44 @@ def fp8_specs():
     return [s.replace(kv_cache_dtype=kv) for s in (flint, big) for kv in ("bf16", "fp8_e4m3")]
 
 
+class L2PrefetchDef(QKVDef):
+    """The op's own configuration per token tile with weights prefetched into L2 before the grid-dependency
+    wait: ``units`` per range on the streaming design (a huge number: the whole range), the rows' rest on
+    the cluster design."""
+
+    def __init__(self, units: int):
+        super().__init__()
+        self.units = units
+
+    def config(self, spec, max_m=8):
+        from dataclasses import replace
+
+        cfg = super().config(spec, max_m)
+        return replace(cfg, l2_prefetch=self.units if isinstance(cfg, qkv_stream.StreamConfig) else True)
+
+
 def stream_configs():
-    """--stream: (label, config) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2,s6g`` adds
-    streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers
-    (the register path), c: CTAs per SM, g: wgmma, f: tokens per finishing slice); ``--no-fill`` leaves out the
-    ring filling shared memory."""
+    """--stream: (label, config, kernel def) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2,s6g,L,L8``
+    adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers
+    (the register path), c: CTAs per SM, g: wgmma, f: tokens per finishing slice, l: units prefetched into L2
+    before the grid-dependency wait) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8:
+    8 units of a streaming range; L2PrefetchDef); ``--no-fill`` leaves out the ring filling shared memory."""
     import re
 
-    out = [("production", None)]
+    out = [("production", None, KDEF)]
     if "--no-fill" not in sys.argv:
-        out.append(("stream", qkv_stream.StreamConfig()))
+        out.append(("stream", qkv_stream.StreamConfig(), KDEF))
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
-            w, st, p, cs, g, f = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(?:f(\d+))?",
-                                              c).groups()
+            if c.startswith("L"):
+                out.append((f"production {c}", None, L2PrefetchDef(int(c[1:] or qkv_stream.MAX_L2_PREFETCH))))
+                continue
+            w, st, p, cs, g, f, l2 = re.fullmatch(
+                r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(?:f(\d+))?(?:l(\d+))?", c).groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
-                                                                wgmma=g is not None, finish_tokens=int(f or 0))))
+                                                                wgmma=g is not None, finish_tokens=int(f or 0),
+                                                                l2_prefetch=int(l2 or 0)), KDEF))
     return out
 
 
@@ -268,8 +289,9 @@ def prebuild(root):
     if "--stream" in sys.argv:
         from flintgen.configs.qkv_config import token_tiles
 
-        todo += [(s, "qkv", KDEF.variant(s, config=cfg, max_m=t, target=target)) for s in specs
-                 for _, cfg in stream_configs() if cfg is not None for t in token_tiles(s.max_tokens)]
+        todo += [(s, "qkv", kd.variant(s, config=cfg, max_m=t, target=target)) for s in specs
+                 for _, cfg, kd in stream_configs() if cfg is not None or kd is not KDEF
+                 for t in token_tiles(s.max_tokens)]
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2)), mp_context=ctx) as pool:
         for f in [pool.submit(_build_one, s, k, v, target, os.path.abspath(root)) for s, k, v in todo]:
@@ -323,8 +345,8 @@ def stream_main():
         weights = make_weights(spec, copies_for(spec))
         wl = [w[0] for w in weights]
         ops = {}
-        for label, cfg in stream_configs():
-            ops[label] = QKVOp(KDEF, spec, t, lambda v: load_variant(KDEF, spec, v, t)[0], config=cfg)
+        for label, cfg, kd in stream_configs():
+            ops[label] = QKVOp(kd, spec, t, lambda v, kd=kd: load_variant(kd, spec, v, t)[0], config=cfg)
             ops[label].warmup(torch.device("cuda"))
         for m in ms:
             lay = Layers(spec, m, weights)
@@ -343,7 +365,7 @@ def stream_main():
             peers_gemv = {"torch F.linear bf16 (GEMV only)": time_graph(torch_linear)["median_us"]}
             for label, op in ops.items():
                 v = op._variants[token_tile(m)]
-                fn = load_variant(KDEF, spec, v, t)[0]
+                fn = load_variant(op._def, spec, v, t)[0]
 
                 def step(op=op):
                     w = lay.weights()
@@ -436,7 +458,8 @@ def main():
                     op2.warmup(torch.device("cuda"))
                     r = time_graph(lambda: f2(*lay.args_for(v2, lay.weights(), op2)))
                     r_step = time_graph(lambda: step(op2))
-                    tag = f"GEMV r{cfg.rows} w{cfg.warps} p{cfg.prefetch} early{cfg.early_dequant}"
+                    tag = (f"GEMV r{cfg.rows} w{cfg.warps} p{cfg.prefetch} early{cfg.early_dequant}"
+                           + (" l2" if cfg.l2_prefetch else ""))
                     rows.append(Row(dict(case, what=tag),
                                     r["median_us"], wb / bw * 1e6, {}, {"variant": v2.name}))
                     rows.append(Row(dict(case, what=tag.replace("GEMV", "step")), r_step["median_us"],
@@ -463,6 +486,9 @@ def sweep_configs(spec):
         cands = [C(16, 8, 8, 4), C(16, 8, 8, 2), C(16, 8, 8, 6), C(16, 8, 4, 4),
                  C(32, 4, 8, 2), C(32, 4, 4, 2), C(32, 4, 8, 3)]
     base = KDEF.config(spec)
+    from dataclasses import replace
+
+    cands.append(replace(base, l2_prefetch=True))   # the weight rows past the prefetched steps into L2 first
     return [c for c in cands if c != base and c.cluster * c.rows == spec.head_dim]
 
 

@@ -244,6 +244,8 @@ def test_config_heuristic():
         QKVConfig(32, 4, 8, 4, 5)
     with pytest.raises(ValueError, match="early_dequant = True must be a step count"):
         QKVConfig(32, 4, 8, 4, True)
+    with pytest.raises(TypeError, match="l2_prefetch = 1 must be a bool"):
+        QKVConfig(32, 4, 8, 4, l2_prefetch=1)
 
 
 def test_variant_names_every_code_path():
@@ -577,12 +579,14 @@ OTHER_CONFIGS = [("flint", QKVConfig(32, 4, 8, 4), 8), ("flint", QKVConfig(32, 4
                  ("flint", QKVConfig(16, 8, 8, 4, 4), 8), ("flint", QKVConfig(16, 8, 8, 4), 5),
                  ("flint", QKVConfig(16, 8, 4, 8), 3), ("bf16_4096", QKVConfig(16, 8, 8, 4), 8),
                  ("oss_nvfp4", QKVConfig(16, 4, 8, 6, 6), 6),
-                 ("d96", QKVConfig(16, 6, 8, 6), 8), ("d96", QKVConfig(16, 6, 8, 6), 3)]   # 6-CTA clusters
+                 ("d96", QKVConfig(16, 6, 8, 6), 8), ("d96", QKVConfig(16, 6, 8, 6), 3),   # 6-CTA clusters
+                 ("bf16_4096", QKVConfig(32, 4, 8, 2, l2_prefetch=True), 7)]   # rows' rest prefetched into L2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, cfg, m", OTHER_CONFIGS,
-                         ids=[f"{n}-r{c.rows}w{c.warps}p{c.prefetch}e{c.early_dequant}" for n, c, _ in OTHER_CONFIGS])
+                         ids=[f"{n}-r{c.rows}w{c.warps}p{c.prefetch}e{c.early_dequant}{'-l2' if c.l2_prefetch else ''}"
+                              for n, c, _ in OTHER_CONFIGS])
 def test_numerics_other_launch_configs(name, cfg, m):
     """The configurations a benchmark sweep may pick compute the same contract."""
     from flintgen import toolchain

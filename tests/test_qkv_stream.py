@@ -189,6 +189,8 @@ def test_register_path_refusals():
         StreamConfig(prefetch=2, stages=6)
     with pytest.raises(ValueError, match=r"ctas_per_sm = 5 must be 1..4"):
         StreamConfig(ctas_per_sm=5)
+    with pytest.raises(ValueError, match=r"l2_prefetch = -1 must be 0 \(none\) or 1..65536 units prefetched into L2"):
+        StreamConfig(l2_prefetch=-1)
     with pytest.raises(ValueError, match=r"hidden = 192 has 3 K steps, fewer than prefetch = 4 .*prefetch fewer units"):
         sp.StreamPlan(hidden=192, head_dim=128, heads=3, ctas=132, max_m=8, prefetch=4)
     with pytest.raises(ValueError, match=r"2 CTAs of 119568 bytes of shared memory \(6 ring stages of 19584 bytes\) "
@@ -491,12 +493,17 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
            (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
-           (StreamConfig(stages=4, ctas_per_sm=2), 3, 8), (StreamConfig(stages=5, ctas_per_sm=2), 8, 8)]
+           (StreamConfig(stages=4, ctas_per_sm=2), 3, 8), (StreamConfig(stages=5, ctas_per_sm=2), 8, 8),
+           # weights prefetched into L2 before the grid-dependency wait: some units, whole ranges
+           (StreamConfig(stages=8, wgmma=True, l2_prefetch=8), 1, 8),
+           (StreamConfig(stages=6, wgmma=True, finish_tokens=32, l2_prefetch=1 << 16), 64, 64),
+           (StreamConfig(prefetch=3, ctas_per_sm=2, l2_prefetch=5), 8, 8)]
 
 
 def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
-        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "")
+        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
+        (f"f{c.finish_tokens}" if c.finish_tokens else "") + (f"l{c.l2_prefetch}" if c.l2_prefetch else "")
 
 
 def _ring_spec(max_tokens):

@@ -74,6 +74,7 @@ class QKVConfig:
     warps: int      # K split inside the CTA
     prefetch: int   # steps of weights a warp keeps in flight
     early_dequant: int = 0  # NVFP4: prefetched steps dequantized before the grid wait
+    l2_prefetch: bool = False   # the CTA's weight rows past the prefetched steps into L2 before the grid wait
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -88,6 +89,8 @@ class QKVConfig:
         if isinstance(self.early_dequant, bool) or not 0 <= self.early_dequant <= self.prefetch:
             raise ValueError(f"QKVConfig.early_dequant = {self.early_dequant!r} must be a step count "
                              f"0..prefetch ({self.prefetch})")
+        if not isinstance(self.l2_prefetch, bool):
+            raise TypeError(f"QKVConfig.l2_prefetch = {self.l2_prefetch!r} must be a bool")
 
     @property
     def tiles(self) -> int:

@@ -68,6 +68,7 @@ FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in t
 FINISH_MAX_HEADS = 64   # ... where the slices (2 per head) fit 128 CTAs, one each
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
+MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any range holds: all of it)
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
 MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when merging a head (ring path)
 MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next units' weights in registers
@@ -83,7 +84,10 @@ class StreamConfig:
     ``ctas_per_sm`` CTAs per SM (the grid is ``ctas_per_sm`` x the SM count),
     ``wgmma`` (the ring's MMAs as warpgroup MMAs from shared memory) and
     ``finish_tokens`` (> 0: completed heads finished in slices of that many
-    tokens by several CTAs, StreamPlan; a tile of fewer tokens is one slice)."""
+    tokens by several CTAs, StreamPlan; a tile of fewer tokens is one slice)
+    and ``l2_prefetch`` (units of each range, after those copied before the
+    grid-dependency wait, whose weights are prefetched into L2 before it:
+    StreamPlan)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -91,12 +95,13 @@ class StreamConfig:
     ctas_per_sm: int = 1
     wgmma: bool = False
     finish_tokens: int = 0
+    l2_prefetch: int = 0
 
     def __post_init__(self) -> None:
         StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
                    warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
-                   finish_tokens=min(self.finish_tokens, 8))  # range checks
+                   finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch)  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -162,6 +167,7 @@ class StreamPlan:
     ctas_per_sm: int = 1  # CTAs resident per SM: the grid is ctas x ctas_per_sm (at most one per unit)
     wgmma: bool = False   # the ring's MMAs as wgmma.m64nNk16 from shared memory (a warpgroup per 64 rows)
     finish_tokens: int = 0   # > 0: completed heads finished in slices of this many tokens by several CTAs
+    l2_prefetch: int = 0     # units of a range prefetched into L2 before the grid-dependency wait
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -202,6 +208,9 @@ class StreamPlan:
         if self.finish_tokens and self.prefetch:
             raise ValueError(f"StreamPlan: finish_tokens = {self.finish_tokens} (heads finished in slices after "
                              f"the range) takes the ring path: prefetch = {self.prefetch} must be 0")
+        if not 0 <= self.l2_prefetch <= MAX_L2_PREFETCH:
+            raise ValueError(f"StreamPlan: l2_prefetch = {self.l2_prefetch} must be 0 (none) or 1..{MAX_L2_PREFETCH} "
+                             "units prefetched into L2 before the grid-dependency wait")
         if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")

@@ -100,6 +100,18 @@ def bulk_copy_g2s_multicast(dst_smem, src_gmem, mbar_smem, nbytes, cta_mask, *, 
     )  # fmt: skip
 
 
+# ---------------------------------------------------------------- L2
+@dsl_user_op
+def prefetch_l2(src_gmem, nbytes, issue, *, loc=None, ip=None):
+    """Bring ``nbytes`` (Int32, a multiple of 16, > 0) at ``src_gmem`` (16-byte aligned) into L2, where
+    ``issue`` (Int32) is nonzero: a bulk prefetch, no destination, nothing waited on."""
+    _asm(
+        [], [(Int64, src_gmem), (Int32, nbytes), (Int32, issue)],
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$0], $1; }",
+        side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------- PDL
 @dsl_user_op
 def xor3(a, b, c, *, loc=None, ip=None):

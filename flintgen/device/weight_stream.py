@@ -38,7 +38,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from flintgen.configs.qkv_stream_plan import K_STEP, ROW_STRIDE, XN_SLOT_BYTES
-from flintgen.device import ptx, wgmma
+from flintgen.device import ldst, ptx, wgmma
 from flintgen.device.ptx import _asm
 
 ROW_PIECES = K_STEP * 2 // 16   # 16-byte pieces per staged row
@@ -56,6 +56,15 @@ def cp_async_16(dst_smem, src_gmem, issue, fill, *, loc=None, ip=None):
         "@p cp.async.cg.shared.global [$0], [$1], 16, n; }",
         side_effects=True, loc=loc, ip=ip,
     )  # fmt: skip
+
+
+def prefetch_rows_l2(src0, src_pitch: int, n_rows: int, nbytes, tid, threads: int, enable):
+    """``ldst.prefetch_l2`` of ``nbytes`` of each of ``n_rows`` rows (row i at ``src0 + i * src_pitch``),
+    thread ``tid`` taking rows tid, tid + threads, ..; nothing where ``enable`` (Int32) is 0."""
+    for k in range(-(-n_rows // threads)):
+        i = tid + k * threads
+        issue = enable if (k + 1) * threads <= n_rows else enable * Int32(i < n_rows)
+        ldst.prefetch_l2(src0 + Int64(i) * src_pitch, nbytes, issue)
 
 
 @dsl_user_op

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs.qkv_config import EpilogueLanes
-from flintgen.configs.qkv_stream_plan import STREAM_STAGES, StreamConfig, StreamPlan, stream_config  # noqa: F401
+from flintgen.configs.qkv_stream_plan import (MAX_L2_PREFETCH, STREAM_STAGES, StreamConfig, StreamPlan,  # noqa: F401
+                                             stream_config)
 from flintgen.kernels.base import Target, Variant
 from flintgen.kernels.workspace import DeviceBuffers
 from flintgen.spec import Spec
@@ -70,7 +71,8 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
     return StreamPlan(hidden=p["hidden"], head_dim=p["head_dim"], heads=p["q_heads"] + 2 * p["kv_heads"],
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
-                      wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0))
+                      wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
+                      l2_prefetch=p.get("l2_prefetch", 0))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -83,7 +85,8 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              qk_norm=spec.qk_norm, norm_offset=spec.norm_weight_offset if spec.qk_norm else 0, debug=debug,
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
-    for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False)):
+    for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
+                          ("l2_prefetch", 0)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     if cfg.finish_tokens:
@@ -109,7 +112,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
-        "max_owned": plan.max_owned,
+        "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
