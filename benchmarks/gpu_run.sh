@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_run.sh stream-tests     # the streaming QKV GEMV's GPU tests
 #   bash benchmarks/gpu_run.sh stream-sanitize  # compute-sanitizer's four tools over both MMA kinds of the stream
 #   bash benchmarks/gpu_run.sh stream           # the op's QKV GEMV per M (M 1..64) against the mma.sync ring (s6)
+#   bash benchmarks/gpu_run.sh stream-l2        # the op's QKV step per M against the same with weights prefetched
+#                                               # into L2 before the grid wait (L: whole ranges, L8 / L16 units ahead)
+#   bash benchmarks/gpu_run.sh l2-tests         # the GPU tests of the L2-prefetch launch options
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
 #
@@ -54,6 +57,11 @@ for what in "$@"; do
                done ;;
         stream) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs s6 2>&1 \
                | tee "$OUT/qkv_stream.log" | tail -60 ;;
+        stream-l2) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,L16 2>&1 \
+               | tee "$OUT/qkv_stream_l2.log" | tail -60 ;;
+        l2-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py \
+                      tests/test_qkv.py -k "l2 or l8 or l5 or l65536" 2>&1 | tee "$OUT/l2_tests.log" | tail -15
+               rc=$((rc || PIPESTATUS[0])) ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         decode-step) for b in 8 64; do python3 examples/decode_step.py --batch "$b"; done 2>&1 \
                | tee "$OUT/decode_step.log" | tail -12 ;;

@@ -368,6 +368,26 @@ def test_variant_compiles_clean(name):
     check_design_ptx(ptx, spec)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["bf16_4096", "flint_bf16"])
+def test_l2_prefetch_variant_compiles_clean(name):
+    """QKVConfig.l2_prefetch: each of the CTA's weight rows, past its prefetched steps, into L2 before the wait."""
+    from dataclasses import replace
+
+    from flintgen.runtime import load_variant
+
+    spec = SPECS[name]
+    cfg = replace(KDEF.config(spec), l2_prefetch=True)
+    v = KDEF.variant(spec, config=cfg)
+    assert dict(v.params)["l2_prefetch"] is True and "l2_prefetch" not in dict(KDEF.variant(spec).params)
+    load_variant(KDEF, spec, v, T132)
+    res, ptx = check_compiled(KDEF, spec, v, T132)
+    assert res["registers"] <= 128, res
+    check_design_ptx(ptx, spec)
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx[:wait].count("cp.async.bulk.prefetch.L2.global") == 1 and "prefetch.L2" not in ptx[wait:]
+
+
 def check_design_ptx(ptx: str, spec) -> None:
     """The QKV GEMV's design in its PTX: NVFP4 dequantization exactly with
     NVFP4 weights; weights requested before the grid-dependency wait (they

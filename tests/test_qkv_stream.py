@@ -329,6 +329,12 @@ def _spec(name):
     return SPECS[name].replace(max_tokens=64)
 
 
+def _cfg_id(c):
+    return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
+        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
+        (f"f{c.finish_tokens}" if c.finish_tokens else "") + (f"l{c.l2_prefetch}" if c.l2_prefetch else "")
+
+
 def _compiled(spec, cfg, max_m):
     """(render params, PTX) of the streaming variant (``cfg`` None: the op's), built for sm_90a and checked
     (decode_attention_cases.check_compiled: required PTX, ptxas resources)."""
@@ -374,6 +380,28 @@ def test_stream_wgmma_compiles_clean(name, max_m):
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == p["max_segments"]
     assert "mma.sync" not in ptx
+
+
+# weights prefetched into L2 before the grid-dependency wait (l2_prefetch): a range's few units kept ahead of the
+# ring (hidden 4096: 24 units a range), whole ranges, the register path
+L2_COMPILE = [("bf16_4096", 64, StreamConfig(stages=6, wgmma=True, finish_tokens=32, l2_prefetch=8), True),
+              ("bf16_4096", 8, StreamConfig(stages=8, wgmma=True, l2_prefetch=4), True),
+              ("flint_bf16", 32, StreamConfig(stages=8, wgmma=True, l2_prefetch=1 << 16), False),
+              ("bf16_4096", 8, StreamConfig(prefetch=3, ctas_per_sm=2, l2_prefetch=8), False)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg, rolling", L2_COMPILE,
+                         ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c, _ in L2_COMPILE])
+def test_stream_l2_prefetch_compiles_clean(name, max_m, cfg, rolling):
+    p, ptx = _compiled(_spec(name), cfg, max_m)
+    assert p["l2_prefetch"] == cfg.l2_prefetch
+    wait = ptx.index("griddepcontrol.wait")
+    # the range's rows before the wait (one bulk prefetch per row and block, unrolled over the threads' rows),
+    # and with a range longer than the prefetch, one per unit in the ring's loop after it
+    before = ptx[:wait].count("cp.async.bulk.prefetch.L2.global")
+    assert before == p["max_segments"] * -(-p["block_rows"] // (32 * p["warps"])), before
+    assert ptx[wait:].count("cp.async.bulk.prefetch.L2.global") == (p["max_segments"] if rolling else 0)
 
 
 # the spread finish (finish_tokens): both MMA kinds, head dims 64 / 96 / 128 / 256, fp8, slices of 8 and 16
@@ -498,12 +526,6 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(stages=8, wgmma=True, l2_prefetch=8), 1, 8),
            (StreamConfig(stages=6, wgmma=True, finish_tokens=32, l2_prefetch=1 << 16), 64, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2, l2_prefetch=5), 8, 8)]
-
-
-def _cfg_id(c):
-    return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
-        (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
-        (f"f{c.finish_tokens}" if c.finish_tokens else "") + (f"l{c.l2_prefetch}" if c.l2_prefetch else "")
 
 
 def _ring_spec(max_tokens):

@@ -86,8 +86,8 @@ class StreamConfig:
     ``finish_tokens`` (> 0: completed heads finished in slices of that many
     tokens by several CTAs, StreamPlan; a tile of fewer tokens is one slice)
     and ``l2_prefetch`` (units of each range, after those copied before the
-    grid-dependency wait, whose weights are prefetched into L2 before it:
-    StreamPlan)."""
+    grid-dependency wait, whose weights are prefetched into L2 before it; the
+    ring then keeps the prefetch that many units ahead of its copies)."""
 
     stages: int = 0
     warp_tiles: int = 1
