@@ -13,9 +13,11 @@
 #   bash benchmarks/gpu_run.sh stream-tests     # the streaming QKV GEMV's GPU tests
 #   bash benchmarks/gpu_run.sh stream-sanitize  # compute-sanitizer's four tools over both MMA kinds of the stream
 #   bash benchmarks/gpu_run.sh stream           # the op's QKV GEMV per M (M 1..64) against the mma.sync ring (s6)
-#   bash benchmarks/gpu_run.sh stream-l2        # the op's QKV step per M against the same with weights prefetched
-#                                               # into L2 before the grid wait (L: whole ranges, L8 / L16 units ahead)
-#   bash benchmarks/gpu_run.sh l2-tests         # the GPU tests of the L2-prefetch launch options
+#   bash benchmarks/gpu_run.sh stream-ab        # the op's QKV step per M against the same with weights prefetched
+#                                               # into L2 before the grid wait (L: whole ranges, L8 8 units ahead),
+#                                               # TMA weights (T, TL) and the TMA ring at 8 tokens (s8gt, s8gtl8)
+#   bash benchmarks/gpu_run.sh ab-tests         # the GPU tests of those launch options (L2 prefetch, TMA)
+#   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
 #
@@ -57,11 +59,25 @@ for what in "$@"; do
                done ;;
         stream) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs s6 2>&1 \
                | tee "$OUT/qkv_stream.log" | tail -60 ;;
-        stream-l2) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,L16 2>&1 \
-               | tee "$OUT/qkv_stream_l2.log" | tail -60 ;;
-        l2-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py \
-                      tests/test_qkv.py -k "l2 or l8 or l5 or l65536" 2>&1 | tee "$OUT/l2_tests.log" | tail -15
+        stream-ab) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,T,TL,s8gt,s8gtl8 \
+               2>&1 | tee "$OUT/qkv_stream_ab.log" | tail -60 ;;
+        ab-tests) S=tests/test_qkv_stream.py
+               { python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx $S tests/test_qkv.py \
+                      -k "(other_configs and (gt or l)) or (other_launch_configs and l2)"; r1=$?
+                 python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx \
+                      "$S::test_stream_graph_replay_with_changed_inputs[tma]" \
+                      "$S::test_stream_layers_back_to_back_race_free[tma]"; exit $((r1 || $?)); } 2>&1 \
+                   | tee "$OUT/ab_tests.log" | tail -15
                rc=$((rc || PIPESTATUS[0])) ;;
+        ab-sanitize) K="other_configs and (s8w1gt-M1 or s6w1gtf32l8-M64 or s8w1gl8-M1)"
+               for tool in memcheck racecheck synccheck initcheck; do
+                   extra=(); [ "$tool" = memcheck ] && extra=(--report-api-errors no)
+                   [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+                   compute-sanitizer --tool "$tool" "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                       tests/test_qkv_stream.py -k "$K" > "$OUT/ab_sanitize_$tool.log" 2>&1
+                   s=$?; rc=$((rc || s))
+                   echo "$tool rc $s: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/ab_sanitize_$tool.log" | tail -1)"
+               done ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         decode-step) for b in 8 64; do python3 examples/decode_step.py --batch "$b"; done 2>&1 \
                | tee "$OUT/decode_step.log" | tail -12 ;;

@@ -218,28 +218,32 @@ def fp8_specs():
     return [s.replace(kv_cache_dtype=kv) for s in (flint, big) for kv in ("bf16", "fp8_e4m3")]
 
 
-class L2PrefetchDef(QKVDef):
-    """The op's own configuration per token tile with weights prefetched into L2 before the grid-dependency
-    wait: ``units`` per range on the streaming design (a huge number: the whole range), the rows' rest on
-    the cluster design."""
+class ProductionVariantDef(QKVDef):
+    """The op's own configuration per token tile with one change: weights prefetched into L2 before the
+    grid-dependency wait (``l2``: units per range on the streaming design, a huge number for the whole
+    range; the rows' rest on the cluster design) and / or the streaming tiles' weights by TMA (``tma``)."""
 
-    def __init__(self, units: int):
+    def __init__(self, l2: int = 0, tma: bool = False):
         super().__init__()
-        self.units = units
+        self.l2, self.tma = l2, tma
 
     def config(self, spec, max_m=8):
         from dataclasses import replace
 
         cfg = super().config(spec, max_m)
-        return replace(cfg, l2_prefetch=self.units if isinstance(cfg, qkv_stream.StreamConfig) else True)
+        if isinstance(cfg, qkv_stream.StreamConfig):
+            return replace(cfg, l2_prefetch=self.l2, tma=self.tma and cfg.wgmma)
+        return replace(cfg, l2_prefetch=self.l2 > 0)
 
 
 def stream_configs():
-    """--stream: (label, config, kernel def) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2,s6g,L,L8``
+    """--stream: (label, config, kernel def) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2,s6g,L,L8,T,TL``
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers
-    (the register path), c: CTAs per SM, g: wgmma, f: tokens per finishing slice, l: units prefetched into L2
+    (the register path), c: CTAs per SM, g: wgmma, t: its weights by TMA, f: tokens per finishing slice, l: units
+    prefetched into L2
     before the grid-dependency wait) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8:
-    8 units of a streaming range; L2PrefetchDef); ``--no-fill`` leaves out the ring filling shared memory."""
+    8 units of a streaming range) and / or TMA weights on its wgmma tiles (T, TL, TL8; ProductionVariantDef);
+    ``--no-fill`` leaves out the ring filling shared memory."""
     import re
 
     out = [("production", None, KDEF)]
@@ -247,15 +251,18 @@ def stream_configs():
         out.append(("stream", qkv_stream.StreamConfig(), KDEF))
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
-            if c.startswith("L"):
-                out.append((f"production {c}", None, L2PrefetchDef(int(c[1:] or qkv_stream.MAX_L2_PREFETCH))))
+            prod = re.fullmatch(r"(T)?(?:L(\d*))?", c)
+            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units)
+                tma, l2 = prod.groups()
+                l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
+                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
                 continue
-            w, st, p, cs, g, f, l2 = re.fullmatch(
-                r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(?:f(\d+))?(?:l(\d+))?", c).groups()
+            w, st, p, cs, g, tma, f, l2 = re.fullmatch(
+                r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?", c).groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
                                                                 wgmma=g is not None, finish_tokens=int(f or 0),
-                                                                l2_prefetch=int(l2 or 0)), KDEF))
+                                                                l2_prefetch=int(l2 or 0), tma=tma is not None), KDEF))
     return out
 
 

@@ -191,6 +191,9 @@ def test_register_path_refusals():
         StreamConfig(ctas_per_sm=5)
     with pytest.raises(ValueError, match=r"l2_prefetch = -1 must be 0 \(none\) or 1..65536 units prefetched into L2"):
         StreamConfig(l2_prefetch=-1)
+    with pytest.raises(ValueError, match=r"tma = True writes the 128-byte swizzled stages of the wgmma ring: "
+                                         r"wgmma = False must be True"):
+        StreamConfig(stages=6, tma=True)
     with pytest.raises(ValueError, match=r"hidden = 192 has 3 K steps, fewer than prefetch = 4 .*prefetch fewer units"):
         sp.StreamPlan(hidden=192, head_dim=128, heads=3, ctas=132, max_m=8, prefetch=4)
     with pytest.raises(ValueError, match=r"2 CTAs of 119568 bytes of shared memory \(6 ring stages of 19584 bytes\) "
@@ -332,7 +335,8 @@ def _spec(name):
 def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
-        (f"f{c.finish_tokens}" if c.finish_tokens else "") + (f"l{c.l2_prefetch}" if c.l2_prefetch else "")
+        ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
+        (f"l{c.l2_prefetch}" if c.l2_prefetch else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -402,6 +406,30 @@ def test_stream_l2_prefetch_compiles_clean(name, max_m, cfg, rolling):
     before = ptx[:wait].count("cp.async.bulk.prefetch.L2.global")
     assert before == p["max_segments"] * -(-p["block_rows"] // (32 * p["warps"])), before
     assert ptx[wait:].count("cp.async.bulk.prefetch.L2.global") == (p["max_segments"] if rolling else 0)
+
+
+# the wgmma ring's weights by TMA: 8 / 16 / 64 tokens, head dims 64 / 128 / 256, an fp8 cache, with the L2 prefetch
+TMA_COMPILE = [("flint_bf16", 8, StreamConfig(stages=8, wgmma=True, tma=True)),
+               ("bf16_4096", 16, StreamConfig(stages=8, wgmma=True, tma=True, l2_prefetch=8)),
+               ("oss_bf16", 64, StreamConfig(stages=6, wgmma=True, finish_tokens=32, tma=True)),
+               ("h16384_bf16", 64, StreamConfig(stages=6, wgmma=True, finish_tokens=32, tma=True)),
+               ("oss_bf16_fp8", 32, StreamConfig(stages=8, wgmma=True, tma=True))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", TMA_COMPILE, ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in TMA_COMPILE])
+def test_stream_tma_compiles_clean(name, max_m, cfg):
+    p, ptx = _compiled(_spec(name), cfg, max_m)
+    assert p["tma"] is True and p["use_wgmma"] is True
+    # one tensor copy per unit: the prologue's (before the grid wait) and one per segment's loop; the weights
+    # take no cp.async (xn's pieces do), the stages' barriers one wait per segment's loop
+    tensor = "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes"
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx[:wait].count(tensor) == p["lookahead"] and ptx[wait:].count(tensor) == p["max_segments"]
+    assert ptx.count("mbarrier.init.shared.b64") == p["stages"]
+    assert ptx.count("mbarrier.try_wait") == p["max_segments"]
+    assert "cp.async.cg.shared.global" not in ptx[:wait]     # xn after the wait only
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4
 
 
 # the spread finish (finish_tokens): both MMA kinds, head dims 64 / 96 / 128 / 256, fp8, slices of 8 and 16
@@ -525,7 +553,11 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            # weights prefetched into L2 before the grid-dependency wait: some units, whole ranges
            (StreamConfig(stages=8, wgmma=True, l2_prefetch=8), 1, 8),
            (StreamConfig(stages=6, wgmma=True, finish_tokens=32, l2_prefetch=1 << 16), 64, 64),
-           (StreamConfig(prefetch=3, ctas_per_sm=2, l2_prefetch=5), 8, 8)]
+           (StreamConfig(prefetch=3, ctas_per_sm=2, l2_prefetch=5), 8, 8),
+           # the wgmma ring's weights by TMA (an mbarrier per stage), alone and with the L2 prefetch kept ahead
+           (StreamConfig(stages=8, wgmma=True, tma=True), 1, 8), (StreamConfig(stages=8, wgmma=True, tma=True), 17, 32),
+           (StreamConfig(stages=6, wgmma=True, finish_tokens=32, tma=True, l2_prefetch=8), 64, 64),
+           (StreamConfig(stages=6, wgmma=True, finish_tokens=32, tma=True), 33, 64)]
 
 
 def _ring_spec(max_tokens):
@@ -562,7 +594,9 @@ def test_stream_fp8_cache_bit_exact(name, m, cfg):
     _counters_zero(p.op8)
 
 
-KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16}   # the finish: wgmma, heads in 16-token slices
+# the finish: wgmma, heads in 16-token slices; tma: the wgmma ring's weights by TMA, the L2 prefetch 8 units ahead
+KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16,
+         "tma": StreamConfig(stages=6, wgmma=True, tma=True, l2_prefetch=8)}
 
 
 @pytest.mark.gpu
@@ -757,9 +791,10 @@ def test_ablation_patches_apply(wg):
 
 
 if __name__ == "__main__":
-    # python tests/test_qkv_stream.py --prebuild DIR [--no-other-configs] [--finish-only]: compile the GPU tests'
-    # binaries for sm_90a / 132 SMs into DIR (--no-other-configs: not test_stream_other_configs' ring depths and
-    # paths; --finish-only: the spread finish's binaries alone)
+    # python tests/test_qkv_stream.py --prebuild DIR [--no-other-configs] [--finish-only] [--configs-matching A,B]:
+    # compile the GPU tests' binaries for sm_90a / 132 SMs into DIR (--no-other-configs: not
+    # test_stream_other_configs' ring depths and paths; --finish-only: the spread finish's binaries alone;
+    # --configs-matching: test_stream_other_configs' configs whose id (_cfg_id) holds one of the strings, alone)
     import concurrent.futures as cf
     import multiprocessing
     import os
@@ -778,6 +813,12 @@ if __name__ == "__main__":
     todo = {(k.name, v): (k, s, v) for k, s, v in gpu_variants(T132) if v not in skip}
     if "--finish-only" in sys.argv:   # the spread finish's tests alone (-k "finish or f8")
         todo = {key: c for key, c in todo.items() if c[0] is not KDEF or dict(c[2].params).get("finish_tokens")}
+    if "--configs-matching" in sys.argv:
+        want = sys.argv[sys.argv.index("--configs-matching") + 1].split(",")
+        todo = {(KDEF.name, v): (KDEF, _ring_spec(mt)[1], v) for c, _, mt in CONFIGS
+                if any(w in _cfg_id(c) for w in want)
+                for tile in token_tiles(mt) for d in (False, True)
+                for v in [KDEF.variant(_ring_spec(mt)[1], config=c, max_m=tile, target=T132, debug=d)]}
     with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
         for f in [pool.submit(_build_one, s, k.name, v, T132, root) for k, s, v in todo.values()]:
             f.result()

@@ -61,6 +61,7 @@ ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (con
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
+MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 16 and 32 tokens
@@ -87,7 +88,9 @@ class StreamConfig:
     tokens by several CTAs, StreamPlan; a tile of fewer tokens is one slice)
     and ``l2_prefetch`` (units of each range, after those copied before the
     grid-dependency wait, whose weights are prefetched into L2 before it; the
-    ring then keeps the prefetch that many units ahead of its copies)."""
+    ring then keeps the prefetch that many units ahead of its copies) and
+    ``tma`` (the wgmma ring's weights by one TMA tensor copy per unit, issued
+    by one thread, each stage's arrival counted on an mbarrier)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -96,12 +99,14 @@ class StreamConfig:
     wgmma: bool = False
     finish_tokens: int = 0
     l2_prefetch: int = 0
+    tma: bool = False
 
     def __post_init__(self) -> None:
         StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
                    warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
-                   finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch)  # range checks
+                   finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
+                   tma=self.tma)  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -168,6 +173,7 @@ class StreamPlan:
     wgmma: bool = False   # the ring's MMAs as wgmma.m64nNk16 from shared memory (a warpgroup per 64 rows)
     finish_tokens: int = 0   # > 0: completed heads finished in slices of this many tokens by several CTAs
     l2_prefetch: int = 0     # units of a range prefetched into L2 before the grid-dependency wait
+    tma: bool = False        # the wgmma ring's weights by TMA tensor copies (mbarrier per stage)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -211,6 +217,9 @@ class StreamPlan:
         if not 0 <= self.l2_prefetch <= MAX_L2_PREFETCH:
             raise ValueError(f"StreamPlan: l2_prefetch = {self.l2_prefetch} must be 0 (none) or 1..{MAX_L2_PREFETCH} "
                              "units prefetched into L2 before the grid-dependency wait")
+        if self.tma and not self.wgmma:
+            raise ValueError(f"StreamPlan: tma = True writes the 128-byte swizzled stages of the wgmma ring: "
+                             f"wgmma = {self.wgmma} must be True (and prefetch = {self.prefetch} 0)")
         if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
@@ -362,8 +371,9 @@ class StreamPlan:
         return self.max_m * self.head_dim * 2
 
     def smem_bytes_for(self, stages: int) -> int:
-        """Ring (128-aligned, first), head rows (16), the flag (16)."""
-        return stages * self.stage_bytes + self.head_rows_bytes + FLAG_BYTES
+        """Ring (128-aligned, first; wgmma: 1024), the TMA ring's mbarriers (8 bytes a stage), head rows (16),
+        the flag (16)."""
+        return stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
 
     # ------------------------------------------------------------ register path
     @property

@@ -27,11 +27,14 @@ REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "cp.a
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 WGMMA_PTX = ("wgmma.mma_async.sync.aligned", "fence.proxy.async.shared::cta", "wgmma.wait_group.sync.aligned")
+TMA_PTX = ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes", "mbarrier.try_wait",
+           "elect.sync")
 
 
 def required_ptx(v: Variant) -> tuple[str, ...]:
     """What a streaming variant's PTX must hold: the design's instructions and its MMA's."""
-    return REQUIRED_PTX + (WGMMA_PTX if dict(v.params).get("wgmma") else (MMA_PTX,))
+    p = dict(v.params)
+    return REQUIRED_PTX + (WGMMA_PTX if p.get("wgmma") else (MMA_PTX,)) + (TMA_PTX if p.get("tma") else ())
 
 
 def is_stream(v: Variant) -> bool:
@@ -72,7 +75,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
-                      l2_prefetch=p.get("l2_prefetch", 0))
+                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -86,7 +89,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
-                          ("l2_prefetch", 0)):
+                          ("l2_prefetch", 0), ("tma", False)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     if cfg.finish_tokens:
@@ -113,6 +116,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
+        "tma": plan.tma,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
