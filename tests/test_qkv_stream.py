@@ -408,7 +408,7 @@ def test_stream_l2_prefetch_compiles_clean(name, max_m, cfg, rolling):
     assert ptx[wait:].count("cp.async.bulk.prefetch.L2.global") == (p["max_segments"] if rolling else 0)
 
 
-# the wgmma ring's weights by TMA: 8 / 16 / 64 tokens, head dims 64 / 128 / 256, an fp8 cache, with the L2 prefetch
+# the wgmma ring filled by TMA: 8 / 16 / 64 tokens, head dims 64 / 128 / 256, an fp8 cache, with the L2 prefetch
 TMA_COMPILE = [("flint_bf16", 8, StreamConfig(stages=8, wgmma=True, tma=True)),
                ("bf16_4096", 16, StreamConfig(stages=8, wgmma=True, tma=True, l2_prefetch=8)),
                ("oss_bf16", 64, StreamConfig(stages=6, wgmma=True, finish_tokens=32, tma=True)),
@@ -421,14 +421,15 @@ TMA_COMPILE = [("flint_bf16", 8, StreamConfig(stages=8, wgmma=True, tma=True)),
 def test_stream_tma_compiles_clean(name, max_m, cfg):
     p, ptx = _compiled(_spec(name), cfg, max_m)
     assert p["tma"] is True and p["use_wgmma"] is True
-    # one tensor copy per unit: the prologue's (before the grid wait) and one per segment's loop; the weights
-    # take no cp.async (xn's pieces do), the stages' barriers one wait per segment's loop
+    # a tensor copy per operand and unit: the first units' weights before the grid wait, their xn after it,
+    # both in each segment's loop; no cp.async at all; the stages' barriers one wait per segment's loop
     tensor = "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes"
     wait = ptx.index("griddepcontrol.wait")
-    assert ptx[:wait].count(tensor) == p["lookahead"] and ptx[wait:].count(tensor) == p["max_segments"]
+    assert ptx[:wait].count(tensor) == p["lookahead"]
+    assert ptx[wait:].count(tensor) == p["lookahead"] + 2 * p["max_segments"]
     assert ptx.count("mbarrier.init.shared.b64") == p["stages"]
     assert ptx.count("mbarrier.try_wait") == p["max_segments"]
-    assert "cp.async.cg.shared.global" not in ptx[:wait]     # xn after the wait only
+    assert "cp.async.cg" not in ptx and "cp.async.wait_group" not in ptx
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4
 
 

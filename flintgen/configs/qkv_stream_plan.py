@@ -41,7 +41,11 @@ copy paths bring the weights:
   in wgmma's 128-byte swizzle (flintgen.device.wgmma, 128 bytes per row, no
   padding) and each warpgroup multiplies 64 of the block's rows with every
   token in ``wgmma.m64nNk16`` (N = ``max_m``), reading xn from shared memory
-  once per warpgroup instead of once per warp.
+  once per warpgroup instead of once per warp. With ``tma`` the wgmma ring is
+  filled by two TMA tensor copies per unit (flintgen.device.ring_tma), issued
+  by warp 0, each stage's landing counted on its mbarrier; with
+  ``l2_prefetch`` a range's next units are prefetched into L2 (before the
+  grid-dependency wait, then kept that far ahead of the copies).
 * *registers* (``prefetch > 0``): each warp loads its own tiles' A fragments
   straight from global memory (``ld.global.nc``, 16-byte pieces), ``prefetch``
   units ahead, with no barrier per unit; xn's values of the range's K steps
@@ -89,8 +93,9 @@ class StreamConfig:
     and ``l2_prefetch`` (units of each range, after those copied before the
     grid-dependency wait, whose weights are prefetched into L2 before it; the
     ring then keeps the prefetch that many units ahead of its copies) and
-    ``tma`` (the wgmma ring's weights by one TMA tensor copy per unit, issued
-    by one thread, each stage's arrival counted on an mbarrier)."""
+    ``tma`` (the wgmma ring filled by TMA: one tensor copy per operand and
+    unit, issued by one lane, each stage's arrival counted on an mbarrier;
+    tokens >= M zero-filled by the copy)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -173,7 +178,7 @@ class StreamPlan:
     wgmma: bool = False   # the ring's MMAs as wgmma.m64nNk16 from shared memory (a warpgroup per 64 rows)
     finish_tokens: int = 0   # > 0: completed heads finished in slices of this many tokens by several CTAs
     l2_prefetch: int = 0     # units of a range prefetched into L2 before the grid-dependency wait
-    tma: bool = False        # the wgmma ring's weights by TMA tensor copies (mbarrier per stage)
+    tma: bool = False        # the wgmma ring filled by TMA tensor copies (an mbarrier per stage)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:

@@ -34,7 +34,10 @@ TMA_PTX = ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_t
 def required_ptx(v: Variant) -> tuple[str, ...]:
     """What a streaming variant's PTX must hold: the design's instructions and its MMA's."""
     p = dict(v.params)
-    return REQUIRED_PTX + (WGMMA_PTX if p.get("wgmma") else (MMA_PTX,)) + (TMA_PTX if p.get("tma") else ())
+    need = REQUIRED_PTX + (WGMMA_PTX if p.get("wgmma") else (MMA_PTX,))
+    if p.get("tma"):   # no cp.async, so no proxy fence for it: TMA writes through the async proxy wgmma reads
+        need = tuple(i for i in need if not i.startswith(("cp.async.", "fence.proxy.async"))) + TMA_PTX
+    return need
 
 
 def is_stream(v: Variant) -> bool:
