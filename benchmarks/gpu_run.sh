@@ -15,10 +15,12 @@
 #   bash benchmarks/gpu_run.sh stream           # the op's QKV GEMV per M (M 1..64) against the mma.sync ring (s6)
 #   bash benchmarks/gpu_run.sh stream-ab        # the op's QKV step per M against the same with weights prefetched
 #                                               # into L2 before the grid wait (L: whole ranges, L8 8 units ahead),
-#                                               # TMA weights (T, TL) and the TMA ring at 8 tokens (s8gt, s8gtl8)
+#                                               # the TMA ring (T, TL), at 8 tokens (s8gt), 2 CTAs per SM (s4gtc2[l8])
 #   bash benchmarks/gpu_run.sh ab-tests         # the GPU tests of those launch options (L2 prefetch, TMA)
 #   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
-#   bash benchmarks/gpu_run.sh sweep            # decode config sweep
+#   bash benchmarks/gpu_run.sh sweep            # decode config sweep (best of 3)
+#   bash benchmarks/gpu_run.sh sweep-passes     # the same, 8 interleaved passes, XQA-fp8 beside the fp8 rows
+#   bash benchmarks/gpu_run.sh qkv-fp8-ablation # what the QKV step's fp8 write costs, variant by variant, 5 runs
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
@@ -59,7 +61,7 @@ for what in "$@"; do
                done ;;
         stream) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs s6 2>&1 \
                | tee "$OUT/qkv_stream.log" | tail -60 ;;
-        stream-ab) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,T,TL,s8gt,s8gtl8 \
+        stream-ab) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,T,TL,s8gt,s4gtc2,s4gtc2l8 \
                2>&1 | tee "$OUT/qkv_stream_ab.log" | tail -60 ;;
         ab-tests) S=tests/test_qkv_stream.py
                { python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx $S tests/test_qkv.py \
@@ -79,6 +81,8 @@ for what in "$@"; do
                    echo "$tool rc $s: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/ab_sanitize_$tool.log" | tail -1)"
                done ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
+        sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
+        qkv-fp8-ablation) python3 -m benchmarks.qkv_fp8_ablation --runs 5 2>&1 | tee "$OUT/qkv_fp8_ablation.log" | tail -50 ;;
         decode-step) for b in 8 64; do python3 examples/decode_step.py --batch "$b"; done 2>&1 \
                | tee "$OUT/decode_step.log" | tail -12 ;;
         *) echo "unknown: $what" >&2; exit 2 ;;
