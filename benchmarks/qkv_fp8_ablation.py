@@ -25,6 +25,8 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
                 epilogue (q, k, v) predicated on addr < 0: never true, which ptxas cannot
                 know, so all values are computed and nothing is written
   bf16_nostore  the same on the bf16 reference (nostore - bf16_nostore: compute alone)
+  one_copy      is it the epilogue's code size? The conversion's fast copy alone (no div.rn copy behind the
+                uniform branch), so the tail runs less cold code
 
 Patches are text replacements of the rendered module (pasted helpers included); each
 variant's kernel name keys its cache entries apart; the real files are never changed.
@@ -126,6 +128,21 @@ def _stg_never(addr, words, nbytes: int):
 ''', 1)
 
 
+# one copy of the conversion (the fast one): is it the epilogue's code size (instruction-cache misses on the
+# kernel's tail: the identical fp8_inl differs from fp8 by up to 0.08 us)?
+ONE_COPY = [("""                            if kv_scale.fast():   # uniform: the same scale in every thread
+                                _store_e4m3_head(dst, o1, o2, op, kv_scale, True, lane, d, dp, lanes)
+                            else:
+                                _store_e4m3_head(dst, o1, o2, op, kv_scale, False, lane, d, dp, lanes)
+""", """                            _store_e4m3_head(dst, o1, o2, op, kv_scale, True, lane, d, dp, lanes)   # ablation one_copy
+""", 1), ("""                    if kv_scale.fast():   # uniform: the same scale in every thread
+                        _store_e4m3_v(dst, w1, w2, kv_scale, True, e, half)
+                    else:
+                        _store_e4m3_v(dst, w1, w2, kv_scale, False, e, half)
+""", """                    _store_e4m3_v(dst, w1, w2, kv_scale, True, e, half)   # ablation one_copy
+""", 1)]
+
+
 class Ablation(QKVDef):
     """The QKVDef of one timed variant: the real template's rendering, with the epilogue
     helpers pasted in (``inline``), then ``patches``. Its own kernel name (the
@@ -166,6 +183,7 @@ VARIANTS = {a.tag: a for a in (
     Ablation("no_quant", F, False, NO_QUANT, "no conversion: bf16 low halves, the same 2-byte stores"),
     Ablation("nostore", F, True, NOSTORE, "epilogue stores (q, k, v) predicated off, values computed"),
     Ablation("bf16_nostore", B, True, NOSTORE, "bf16 reference, epilogue stores predicated off"),
+    Ablation("one_copy", F, True, ONE_COPY, "the conversion's fast copy alone (no div.rn copy: smaller epilogue code)"),
 )}
 _FNS: dict = {}
 
