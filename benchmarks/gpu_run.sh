@@ -34,6 +34,17 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; \
   echo "commit ${FLINTGEN_COMMIT:-unknown}"; } > "$OUT/run_info.txt"
 rc=0
+sanitize_stream() {  # NAME K: compute-sanitizer's four tools over the streaming QKV tests -k K, logs $OUT/NAME_<tool>.log
+    local tool extra st
+    for tool in memcheck racecheck synccheck initcheck; do
+        extra=(); [ "$tool" = memcheck ] && extra=(--report-api-errors no)
+        [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+        compute-sanitizer --tool "$tool" "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+            tests/test_qkv_stream.py -k "$2" > "$OUT/$1_$tool.log" 2>&1
+        st=$?; rc=$((rc || st))
+        echo "$tool rc $st: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/$1_$tool.log" | tail -1)"
+    done
+}
 for what in "$@"; do
     case "$what" in
         tests) python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider -rfEx tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
@@ -50,15 +61,7 @@ for what in "$@"; do
         qkv-fp8) python3 -m benchmarks.qkv --fp8 2>&1 | tee "$OUT/qkv_fp8.log" | tail -12 ;;
         stream-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py 2>&1 \
                | tee "$OUT/stream_tests.log" | tail -25; rc=$((rc || PIPESTATUS[0])) ;;
-        stream-sanitize) K="(wgmma_numerics and (oss_bf16-M9 or flint_bf16-M40)) or (test_stream_numerics and (flint_bf16-M33 or glm4-M2))"
-               for tool in memcheck racecheck synccheck initcheck; do
-                   extra=(); [ "$tool" = memcheck ] && extra=(--report-api-errors no)
-                   [ "$tool" = racecheck ] && extra=(--racecheck-report all)
-                   compute-sanitizer --tool "$tool" "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                       tests/test_qkv_stream.py -k "$K" > "$OUT/stream_sanitize_$tool.log" 2>&1
-                   s=$?; rc=$((rc || s))
-                   echo "$tool rc $s: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/stream_sanitize_$tool.log" | tail -1)"
-               done ;;
+        stream-sanitize) sanitize_stream stream_sanitize "(wgmma_numerics and (oss_bf16-M9 or flint_bf16-M40)) or (test_stream_numerics and (flint_bf16-M33 or glm4-M2))" ;;
         stream) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs s6 2>&1 \
                | tee "$OUT/qkv_stream.log" | tail -60 ;;
         stream-ab) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,T,TL,s8gt,s4gtc2,s4gtc2l8 \
@@ -71,15 +74,7 @@ for what in "$@"; do
                       "$S::test_stream_layers_back_to_back_race_free[tma]"; exit $((r1 || $?)); } 2>&1 \
                    | tee "$OUT/ab_tests.log" | tail -15
                rc=$((rc || PIPESTATUS[0])) ;;
-        ab-sanitize) K="other_configs and (s8w1gt-M1 or s6w1gtf32l8-M64 or s8w1gl8-M1)"
-               for tool in memcheck racecheck synccheck initcheck; do
-                   extra=(); [ "$tool" = memcheck ] && extra=(--report-api-errors no)
-                   [ "$tool" = racecheck ] && extra=(--racecheck-report all)
-                   compute-sanitizer --tool "$tool" "${extra[@]}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                       tests/test_qkv_stream.py -k "$K" > "$OUT/ab_sanitize_$tool.log" 2>&1
-                   s=$?; rc=$((rc || s))
-                   echo "$tool rc $s: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$OUT/ab_sanitize_$tool.log" | tail -1)"
-               done ;;
+        ab-sanitize) sanitize_stream ab_sanitize "other_configs and (s8w1gt-M1 or s6w1gtf32l8-M64 or s8w1gl8-M1)" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
         qkv-fp8-ablation) python3 -m benchmarks.qkv_fp8_ablation --runs 5 2>&1 | tee "$OUT/qkv_fp8_ablation.log" | tail -50 ;;
