@@ -257,8 +257,12 @@ def stream_configs():
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
                 out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
                 continue
-            w, st, p, cs, g, tma, f, l2 = re.fullmatch(
-                r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?", c).groups()
+            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?", c)
+            if not c or parts is None:
+                raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
+                                 "f<tokens>l<units> (in that order, each part optional), T, L, L<units>, TL, "
+                                 "TL<units>")
+            w, st, p, cs, g, tma, f, l2 = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
                                                                 wgmma=g is not None, finish_tokens=int(f or 0),
