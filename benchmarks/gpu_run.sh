@@ -15,7 +15,8 @@
 #   bash benchmarks/gpu_run.sh stream           # the op's QKV GEMV per M (M 1..64) against the mma.sync ring (s6)
 #   bash benchmarks/gpu_run.sh stream-ab        # the op's QKV step per M against the same with weights prefetched
 #                                               # into L2 before the grid wait (L: whole ranges, L8 8 units ahead),
-#                                               # the TMA ring (T, TL), at 8 tokens (s8gt), 2 CTAs per SM (s4c2gt[l8])
+#                                               # the TMA ring (T, TL), at 8 tokens (s8gt), 2 CTAs per SM
+#                                               # (s4c2gt[l8]; s4c2gtf16l8: heads finished in 16-token slices)
 #   bash benchmarks/gpu_run.sh ab-tests         # the GPU tests of those launch options (L2 prefetch, TMA)
 #   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep (best of 3)
@@ -64,7 +65,7 @@ for what in "$@"; do
         stream-sanitize) sanitize_stream stream_sanitize "(wgmma_numerics and (oss_bf16-M9 or flint_bf16-M40)) or (test_stream_numerics and (flint_bf16-M33 or glm4-M2))" ;;
         stream) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs s6 2>&1 \
                | tee "$OUT/qkv_stream.log" | tail -60 ;;
-        stream-ab) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,T,TL,s8gt,s4c2gt,s4c2gtl8 \
+        stream-ab) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill --configs L,L8,T,TL,s8gt,s4c2gt,s4c2gtl8,s4c2gtf16l8 \
                2>&1 | tee "$OUT/qkv_stream_ab.log" | tail -60 ;;
         ab-tests) S=tests/test_qkv_stream.py
                { python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx $S tests/test_qkv.py \
