@@ -71,7 +71,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 
 _REBUILD = "rebuild the bundle with `flintgen cache pack`"
 _TARGET_DIR = re.compile(r"(sm_[0-9]+[a-z]?)-([1-9][0-9]{0,5})sm")
-_ENTRY_DIR = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.-]*)-([0-9a-f]{16})")
+_ENTRY_DIR = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.~-]*)-([0-9a-f]{16})")   # ~: a long name's hash (cache.entry_dir_name)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError)  # reading the bundle
@@ -312,9 +312,10 @@ def _parse_manifest(path: str, data: bytes) -> dict:
     for ent in entries:
         if not isinstance(ent, dict) or not all(isinstance(ent.get(k), str) for k in ("dir", "key", "variant")):
             raise _refuse(path, f"manifest entry {ent!r} lacks dir, key or variant")
-        if not _HEX64.fullmatch(ent["key"]) or ent["dir"] != f"{tdir}/{ent['variant']}-{ent['key'][:16]}":
+        want = f"{tdir}/{cache.entry_dir_name(ent['variant'], ent['key'])}" if _HEX64.fullmatch(ent["key"]) else None
+        if ent["dir"] != want:
             raise _refuse(path, f"manifest entry {ent['dir']!r} does not match its key and variant "
-                                f"(expected {tdir}/{ent['variant']}-{ent['key'][:16]})")
+                                f"(expected {want or 'a sha256 key'})")
         if ent["dir"] in dirs:
             raise _refuse(path, f"manifest lists entry {ent['dir']!r} twice")
         dirs.add(ent["dir"])

@@ -3,7 +3,7 @@
 Layout (one directory per kernel identity)::
 
     <root>/CACHEDIR.TAG                          marks the root as a flintgen cache
-    <root>/<arch>-<num_sms>sm/<variant name>-<key16>/
+    <root>/<arch>-<num_sms>sm/<variant name>-<key16>/     (a name past 227 characters: <prefix>~<sha12>)
         module.py    the generated CuTe DSL source (imported from here to compile)
         kernel.so    the exported kernel (TVM-FFI), loaded without cutlass
         kernel.ptx   the PTX, kept for inspection and CI checks
@@ -202,7 +202,7 @@ class Entry:
 
     @property
     def dir_name(self) -> str:
-        return f"{self.variant.name}-{self.key[:16]}"
+        return entry_dir_name(self.variant.name, self.key)
 
     @property
     def dir(self) -> str:
@@ -288,6 +288,22 @@ def read_meta_file(d: str) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
+# a variant's part of an entry directory name: + "-<key16>" (17) + the lock's ".lock.owner" (11) = 255 bytes,
+# the longest file name; every variant name of the presets is shorter (207 at most), so theirs are unchanged
+MAX_NAME_CHARS = 227
+
+
+def entry_dir_name(variant: str, key: str) -> str:
+    """``<variant>-<key16>``: the entry directory of variant name ``variant`` and
+    cache key ``key``. A name longer than MAX_NAME_CHARS keeps its first
+    characters and a hash of the whole, ``<prefix>~<sha12>``: file names are
+    at most 255 bytes, and a variant with many launch options (the streaming
+    QKV GEMV's) plus the key and its lock's ``.lock`` would not fit."""
+    if len(variant) > MAX_NAME_CHARS:
+        variant = f"{variant[:MAX_NAME_CHARS - 13]}~{hashlib.sha256(variant.encode()).hexdigest()[:12]}"
+    return f"{variant}-{key[:16]}"
+
+
 def read_meta(entry: Entry) -> dict | None:
     return read_meta_file(entry.dir)
 
@@ -316,9 +332,9 @@ def check_place(entry_dir: str, meta: dict) -> str | None:
         return f"meta.json key {key!r} is not a sha256 hex digest"
     if not isinstance(variant, str) or not variant:
         return f"meta.json variant {variant!r} is not a name"
-    if name != f"{variant}-{key[:16]}":
+    if name != entry_dir_name(variant, key):
         return (f"entry directory {name!r} does not match meta.json (variant {variant}, key {key[:16]}): "
-                f"expected {variant}-{key[:16]} (copied from another entry?)")
+                f"expected {entry_dir_name(variant, key)} (copied from another entry?)")
     if not isinstance(target, dict) or not isinstance(target.get("arch"), str) \
             or not isinstance(target.get("num_sms"), int):
         return f"meta.json target {target!r} is not {{'arch': str, 'num_sms': int}}"

@@ -106,6 +106,13 @@ def test_check_place():
     assert "sha256" in cache.check_place(good, dict(meta, key="../x"))
     assert "target" in cache.check_place(good, dict(meta, target=None))
     assert "not a JSON object" in cache.check_place(good, [])
+    # a variant name too long for a file name: its place is the bounded name (cache.entry_dir_name)
+    long = "qkv-" + "-".join(f"option{i}x{i}" for i in range(40))
+    short = cache.entry_dir_name(long, key)
+    assert "~" in short and len(short) == cache.MAX_NAME_CHARS + 17
+    assert cache.check_place(f"/c/sm_90a-132sm/{short}", dict(meta, variant=long)) is None
+    assert "entry directory" in cache.check_place(f"/c/sm_90a-132sm/{long}-{key[:16]}", dict(meta, variant=long))
+    assert bundle._check_name("b", f"sm_90a-132sm/{short}/meta.json", "sm_90a-132sm")[1] == short
 
 
 def test_not_a_bundle(tmp_path, fresh):

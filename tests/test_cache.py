@@ -157,6 +157,28 @@ def test_verify_and_clean(tmp_path):
     assert cache.list_entries(str(tmp_path)) == []
 
 
+def test_long_variant_names_fit_a_file_name(tmp_path):
+    """A variant with many launch options (its name past 255 characters with the key and '.lock') gets a
+    bounded entry directory (a prefix and a hash of the whole name), builds, hits and verifies."""
+    from flintgen.kernels.base import Variant
+
+    k = KERNELS["rms_norm"]
+    real = k.variants(FLINT, T)[0]
+    long = Variant.of(real.kernel, **dict(real.params), **{f"launch_option_{i:02d}": i for i in range(16)})
+    assert len(long.name) > 255
+    e = cache.make_entry(long, k.template, dict(k.render_params(FLINT, real)), T, str(tmp_path))
+    name = os.path.basename(e.dir)
+    assert name == cache.entry_dir_name(long.name, e.key) and "~" in name and name.endswith(e.key[:16])
+    assert len(name) == cache.MAX_NAME_CHARS + 17 and len(os.path.basename(cache.lock_path(e.dir)) + ".owner") == 255
+    assert not cache.get_or_build(e).hit and cache.get_or_build(e).hit
+    assert cache.check_dir(e.dir, load=True) is None          # meta's variant is the long name; its place fits it
+    assert cache.read_meta(e)["variant"] == long.name
+    # two long names with the same prefix stay apart; a short name is unchanged
+    other = long.name[:-1] + "9"
+    assert cache.entry_dir_name(other, e.key) != name
+    assert cache.entry_dir_name(real.name, e.key) == f"{real.name}-{e.key[:16]}"
+
+
 def test_default_root(monkeypatch, tmp_path):
     monkeypatch.setenv("FLINTGEN_CACHE_DIR", str(tmp_path / "c"))
     assert cache.default_root() == str(tmp_path / "c")
