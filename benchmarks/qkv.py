@@ -44,6 +44,7 @@ bandwidth measured in the same process. Peer: torch F.linear on bf16 weights
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -221,15 +222,13 @@ def fp8_specs():
 class ProductionVariantDef(QKVDef):
     """The op's own configuration per token tile with one change: weights prefetched into L2 before the
     grid-dependency wait (``l2``: units per range on the streaming design, a huge number for the whole
-    range; the rows' rest on the cluster design) and / or the streaming tiles' weights by TMA (``tma``)."""
+    range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``)."""
 
     def __init__(self, l2: int = 0, tma: bool = False):
         super().__init__()
         self.l2, self.tma = l2, tma
 
     def config(self, spec, max_m=8):
-        from dataclasses import replace
-
         cfg = super().config(spec, max_m)
         if isinstance(cfg, qkv_stream.StreamConfig):
             return replace(cfg, l2_prefetch=self.l2, tma=self.tma and cfg.wgmma)
@@ -237,13 +236,12 @@ class ProductionVariantDef(QKVDef):
 
 
 def stream_configs():
-    """--stream: (label, config, kernel def) of the designs timed per M; ``--configs w2,s6,w2s6,p3c2,s6g,L,L8,T,TL``
-    adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers
-    (the register path), c: CTAs per SM, g: wgmma, t: its weights by TMA, f: tokens per finishing slice, l: units
-    prefetched into L2
-    before the grid-dependency wait) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8:
-    8 units of a streaming range) and / or TMA weights on its wgmma tiles (T, TL, TL8; ProductionVariantDef);
-    ``--no-fill`` leaves out the ring filling shared memory."""
+    """--stream: (label, config, kernel def) of the designs timed per M. ``--configs w2,s6,w2s6,p3c2,s6g,L,L8,T,TL``
+    adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
+    register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
+    prefetched into L2 before the grid-dependency wait) and the op's own configs with L2 prefetch (L: whole
+    ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8;
+    ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory."""
     import re
 
     out = [("production", None, KDEF)]
@@ -497,8 +495,6 @@ def sweep_configs(spec):
         cands = [C(16, 8, 8, 4), C(16, 8, 8, 2), C(16, 8, 8, 6), C(16, 8, 4, 4),
                  C(32, 4, 8, 2), C(32, 4, 4, 2), C(32, 4, 8, 3)]
     base = KDEF.config(spec)
-    from dataclasses import replace
-
     cands.append(replace(base, l2_prefetch=True))   # the weight rows past the prefetched steps into L2 first
     return [c for c in cands if c != base and c.cluster * c.rows == spec.head_dim]
 

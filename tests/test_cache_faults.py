@@ -104,13 +104,14 @@ def test_1_clean_touches_only_provable_entries(built):
 
 
 # -------------------------------------------------------------- bug 2
-def _flint_1536_variants():
-    """Launch variants `flintgen build` compiles for the flint preset at hidden 1536 (every kernel's)."""
+def flint_variants(**changes) -> int:
+    """Launch variants `flintgen build` compiles (every kernel's) for the flint preset with ``changes``, on
+    sm_90a with 132 SMs (the build's CPU default)."""
     import flintgen
     from flintgen.kernels import KERNELS
     from flintgen.kernels.base import Target
 
-    spec = flintgen.get_preset("flint").replace(hidden_size=1536)
+    spec = flintgen.get_preset("flint").replace(**changes)
     return sum(len(k.variants(spec, Target("sm_90a", 132))) for k in KERNELS.values() if k.needed(spec))
 
 
@@ -130,7 +131,7 @@ def test_2_build_survives_concurrent_clean(tmp_path):
         time.sleep(0.05)
     out, err = builder.communicate()
     assert builder.returncode == 0, out + err
-    assert f"{_flint_1536_variants()} built" in out and "0 failed" in out, out
+    assert f"{flint_variants(hidden_size=1536)} built" in out and "0 failed" in out, out
     assert cleans >= 3
 
 

@@ -12,6 +12,7 @@ import textwrap
 import zipfile
 
 import pytest
+from test_cache_faults import flint_variants
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,16 +107,6 @@ def test_checkout_is_recognized():
         assert cache.default_root() == os.path.join(REPO, "cache")
 
 
-def _flint_variants() -> int:
-    """Launch variants of every kernel the flint preset needs, on sm_90a with 132 SMs (the build's CPU default)."""
-    import flintgen
-    from flintgen.kernels import KERNELS
-    from flintgen.kernels.base import Target
-
-    spec = flintgen.get_preset("flint")
-    return sum(len(k.variants(spec, Target("sm_90a", 132))) for k in KERNELS.values() if k.needed(spec))
-
-
 def _venv_python(venv: str) -> str:
     return os.path.join(venv, "bin", "python")
 
@@ -147,7 +138,7 @@ def test_installed_wheel_builds_and_serves(wheel, tmp_path):
     root = os.path.join(tmp_path, "xdg", "flintgen")
     assert f"cache {root}:" in p.stdout                                   # the user cache dir
     built = re.search(r"(\d+) built: 0 hits", p.stdout)                   # a cold cache: every variant compiled
-    assert built and int(built.group(1)) == _flint_variants(), p.stdout
+    assert built and int(built.group(1)) == flint_variants(), p.stdout
     p = subprocess.run([flintgen, "cache", "verify"], capture_output=True, text=True, cwd=outside, env=env)
     assert p.returncode == 0 and " 0 bad" in p.stdout and root in p.stdout, p.stdout + p.stderr
     assert p.stdout.startswith(f"{built.group(1)} ok, 0 bad"), p.stdout  # every flint kernel, loaded

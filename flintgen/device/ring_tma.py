@@ -26,8 +26,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-K_STEP = 64   # values of a unit's row (flintgen.configs.qkv_stream_plan.K_STEP)
-ROW_BYTES = K_STEP * 2
+from flintgen.configs.qkv_stream_plan import K_STEP
+from flintgen.device.wgmma import ROW_BYTES
 
 
 def unit_layout(rows: int):
