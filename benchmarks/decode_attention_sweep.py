@@ -36,26 +36,26 @@ def _release_pair(spec, batch, window):
 
 
 def _rows():
-    """Run 20 (not run yet): 64/8 d128 B=128 x 8k fp8, the one --fp8 row still lost (540 us, spread 34, against
-    XQA-fp8's 517: one of three table runs far from the others, three tables running) with XQA-fp8 interleaved on
-    the same cache (--passes 8 --xqa): the op's config, released after streaming, and 4 slots; and short windows
-    at 33..64 pairs (below)."""
+    """Run 21: the short-window cluster band by waves (run 20: 4-CTA clusters of 48 / 64 pairs, two waves, 4.37 /
+    6.80 us against 3.41 / 3.46 with 2-CTA ones): 16/2 d128 window 128 at B = 12 (24 pairs: 4-CTA clusters, one
+    wave), B = 24 / 32 in fp8 (2-CTA clusters of 2 slots), B = 33 (66 pairs, 132 CTAs: the band's last) and B = 34
+    (68 pairs: one CTA per pair), each against the neighbouring designs."""
     from dataclasses import replace as rp
 
     from benchmarks.decode_attention import GOAL_ROWS
 
-    wide8 = GOAL_ROWS[7][0].replace(kv_cache_dtype="fp8_e4m3")
-    op, late = _release_pair(wide8, 128, None)
-    rows = {"fp8 64/8 d128 B=128 L=8k": (wide8, 128, 8192, None, [op, late, rp(op, num_stages=4)])}
-    # and the lead of results/history/decode_attention_config.md: window 128 at 33..64 pairs (16/2 heads per
-    # rank, B = 24 / 32) on 4-CTA clusters against 2-CTA clusters and one split per pair released at entry
     tp2 = GOAL_ROWS[3][0]
-    for b in (24, 32):
-        op, _ = _release_pair(tp2, b, 128)
-        one = C(num_splits=1, num_warps=4, num_stages=3, min_pages=1, cluster=False, ctas_per_sm=0, head_dim=128,
-                gqa=8)
-        rows[f"bf16 16/2 d128 B={b} L=8k w128"] = (tp2, b, 8192, 128, [op, rp(op, num_splits=2), one,
-                                                                      rp(one, num_stages=2)])
+    rows = {}
+    for kv, b in (("bf16", 12), ("fp8_e4m3", 24), ("fp8_e4m3", 32), ("bf16", 33), ("bf16", 34)):
+        spec = tp2.replace(kv_cache_dtype=kv)
+        op, _ = _release_pair(spec, b, 128)
+        four = rp(op, num_splits=4, cluster=True, ctas_per_sm=0, early_release=False, num_stages=op.num_stages
+                  if op.cluster else 3 - (kv != "bf16"))
+        two = rp(four, num_splits=2)
+        one = C(num_splits=1, num_warps=4, num_stages=3 - (kv != "bf16"), min_pages=1, cluster=False, ctas_per_sm=0,
+                head_dim=128, gqa=8, kv_dtype=kv)
+        cands = [op] + [c for c in (four, two, one) if c != op]
+        rows[f"{'bf16' if kv == 'bf16' else 'fp8'} 16/2 d128 B={b} L=8k w128"] = (spec, b, 8192, 128, cands)
     return rows
 
 

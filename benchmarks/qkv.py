@@ -303,9 +303,11 @@ def prebuild(root):
                  for t in token_tiles(s.max_tokens)]
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2)), mp_context=ctx) as pool:
-        for f in [pool.submit(_build_one, s, k, v, target, os.path.abspath(root)) for s, k, v in todo]:
-            f.result()
-    print(f"prebuilt {len(todo)} variants into {root}")
+        dirs = [f.result()[4] for f in [pool.submit(_build_one, s, k, v, target, os.path.abspath(root))
+                                        for s, k, v in todo]]
+    with open(os.path.join(root, "prebuilt.txt"), "w") as f:  # the entries this run needs (to carry a subset)
+        f.write("".join(os.path.relpath(d, root) + "\n" for d in sorted(set(dirs))))
+    print(f"prebuilt {len(todo)} variants into {root} (entries listed in prebuilt.txt)")
 
 
 def fp8_main():

@@ -40,7 +40,9 @@ def _seed_launch_config(batch, num_kv_heads, sliding, num_sms):
         if batch <= 2:
             return 8, 4, 2, 1, True
         if batch <= 16:
-            return 4, 4, 3, 1, True
+            # The seed has clusters of 4 CTAs up to 16 requests; flintgen of 2 where 4-CTA
+            # clusters of every pair would need a second wave (measured, see the config module).
+            return (4 if 4 * num_bh <= num_sms else 2), 4, 3, 1, True
         # The seed has 3 slots here; flintgen 2 (and at most 2 CTAs per SM) where
         # the pairs fill one to two per SM (measured, see the config module).
         return (1, 4, 2, 1, False) if num_sms < num_bh <= 2 * num_sms else (1, 4, 3, 1, False)

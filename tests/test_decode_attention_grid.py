@@ -80,7 +80,9 @@ def test_grid_configs_valid(gqa, head_dim):
                 for b, c in cfgs.items():        # __post_init__ validated smem, epilogue, merge, cluster
                     assert (c.head_dim, c.gqa) == (head_dim, gqa)
                     short = window is not None and dac.is_short_window(window)
-                    assert c.cluster == (short and b * kv <= 64)
+                    assert c.cluster == (short and 2 * b * kv <= sms)    # clusters while they fit one wave
+                    if c.cluster and b * kv > 8:
+                        assert c.num_splits * b * kv <= sms and c.num_splits in (2, 4)
                     assert c.early_release == (not c.cluster)      # the release rule (DecodeAttentionConfig)
                     if short and sms < b * kv <= 2 * sms:          # one to two single-split pairs per SM
                         assert (c.num_splits, c.num_stages, c.ctas_per_sm) == (1, 2, dac.SHORT_WINDOW_CTAS_PER_SM)
@@ -307,3 +309,48 @@ def test_short_window_two_ctas_per_sm(precompiled_cap, idx):
         out = case.poisoned_out()
         op(*case.args(out), **case.kwargs())
         case.check(out, f"capped window {spec.name} b={b} {cfg.as_params()}")
+
+
+# short windows of 33..66 pairs (8 kv heads x B = 5..8): 2-CTA clusters, one wave of them; 32 pairs (B = 4): 4-CTA
+# clusters (2 at head_dim 96, _fit_cluster); bf16 here, fp8 in test_decode_attention_fp8
+CLUSTER_PLAN = [4, 5, 8]
+
+
+def check_cluster_plan(op, spec, rnd, make_case, what):
+    """The CLUSTER_PLAN launches of ``op`` (window 128): configs as the rule has them, window / slice / page edge
+    lengths, fresh inputs, poisoned outputs; ``make_case(lens, seed, b)`` builds the case."""
+    for b in CLUSTER_PLAN:
+        cfg = op.config(b, True)
+        assert cfg.cluster and cfg.num_splits == (2 if b > 4 or spec.head_dim == 96 else 4), cfg
+        lens = [rnd.randint(0, 3000) for _ in range(b)]
+        lens[:min(b, 3)] = [0, 129, 1][:min(b, 3)]              # empty, window + 1 (an unaligned start), one token
+        if b == 8:
+            lens[3:8] = [15, 16, 17, 127, 128]
+        case = make_case(lens, rnd.randint(0, 2**31), b)
+        out = case.poisoned_out()
+        op(*case.args(out), **case.kwargs())
+        case.check(out, f"{what} {spec.name} b={b} {cfg.as_params()}")
+
+
+@pytest.fixture(scope="module")
+def precompiled_cluster():
+    from flintgen import toolchain
+
+    n = precompile([(s, [(128, b) for b in CLUSTER_PLAN]) for s in CAP_SPECS], KDEF, toolchain.resolve_target(),
+                   _no_load)
+    record(f"precompiled {n} short-window cluster variants")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(CAP_SPECS)))
+def test_short_window_cluster_sizes(precompiled_cluster, idx):
+    """8 kv heads x B = 4, 5, 8 (32, 40, 64 pairs) with window 128: 4- then 2-CTA clusters."""
+    import flintgen
+
+    spec = CAP_SPECS[idx]
+    op = flintgen.get_kernel(spec, "decode_attention")
+    cap = 50.0 if spec.attn_logit_softcap else None
+    check_cluster_plan(op, spec, random.Random(330 + idx),
+                       lambda lens, seed, b: Case(spec, lens, 128, seed=seed, softcap=cap,
+                                                  q_scale=30.0 if cap else 1.5),
+                       "cluster window")

@@ -372,9 +372,14 @@ def _short_window(num_bh: int, num_sms: int, head_dim: int, gqa: int) -> DecodeA
 
     * <= 8 pairs: the pair's splits form a cluster of 8 CTAs (one slice per
       warp, 2 slots) merging in DSMEM (_fit_cluster shrinks it where the merge
-      mapping needs); <= 64 pairs: clusters of 4, 3 slots. 16/2 B=8 window
-      128 (16 pairs): 3.22 us; releasing dependents at entry is slower there
-      (3.32; sweep run 19).
+      mapping needs); then clusters of 4, 3 slots, while every pair's cluster
+      fits one wave of one CTA per SM (4 x pairs <= num_sms), then of 2 (2 x
+      pairs <= num_sms): a second wave of clusters costs a whole window's
+      latency. 16/2 B=8 window 128 (16 pairs, 4-CTA clusters): 3.22 us;
+      releasing dependents at entry is slower there (3.32; sweep run 19).
+      Sweep run 20 (eight interleaved passes), 16/2 d128 window 128, B = 24 /
+      32 (48 / 64 pairs): 2-CTA clusters 3.41 / 3.46 us, 4-CTA clusters (192 /
+      256 CTAs) 4.37 / 6.80, one split per pair 3.59 / 3.52.
     * More pairs: one CTA per pair. One to two pairs per SM: 2 ring slots, at
       most SHORT_WINDOW_CTAS_PER_SM CTAs per SM (uncapped, the block
       scheduler puts 0 to 3 of the window's CTAs on an SM and the kernel ends
@@ -389,8 +394,10 @@ def _short_window(num_bh: int, num_sms: int, head_dim: int, gqa: int) -> DecodeA
     """
     if num_bh <= 8:
         return _fit_cluster(8, 2, head_dim, gqa)
-    if num_bh <= 64:
+    if 4 * num_bh <= num_sms:
         return _fit_cluster(4, 3, head_dim, gqa)
+    if 2 * num_bh <= num_sms:
+        return _fit_cluster(2, 3, head_dim, gqa)
     if num_bh <= 2 * num_sms and num_bh > num_sms:
         return DecodeAttentionConfig(num_splits=1, num_warps=4, num_stages=2, min_pages=1, cluster=False,
                                      ctas_per_sm=SHORT_WINDOW_CTAS_PER_SM, head_dim=head_dim, gqa=gqa)
