@@ -40,9 +40,9 @@ def _seed_launch_config(batch, num_kv_heads, sliding, num_sms):
         if batch <= 2:
             return 8, 4, 2, 1, True
         if batch <= 16:
-            # The seed has clusters of 4 CTAs up to 16 requests; flintgen of 2 where 4-CTA
-            # clusters of every pair would need a second wave (measured, see the config module).
-            return (4 if 4 * num_bh <= num_sms else 2), 4, 3, 1, True
+            # The seed has clusters of 4 CTAs up to 16 requests; flintgen of 2 past 16 pairs
+            # (measured, see the config module).
+            return (4 if num_bh <= 16 else 2), 4, 3, 1, True
         # The seed has 3 slots here; flintgen 2 (and at most 2 CTAs per SM) where
         # the pairs fill one to two per SM (measured, see the config module).
         return (1, 4, 2, 1, False) if num_sms < num_bh <= 2 * num_sms else (1, 4, 3, 1, False)
@@ -80,7 +80,7 @@ def test_heuristics_valid_everywhere(kv, sms):
         cfgs = dac.all_configs(max_batch=256, num_kv_heads=kv, sliding=sliding, window=window, head_dim=D,
                                gqa=GQA, page_size=PAGE, num_sms=sms)
         for b, c in cfgs.items():
-            assert c.cluster == (sliding and window == 128 and b * kv <= 64)
+            assert c.cluster == (sliding and window == 128 and b * kv <= 64 and 2 * b * kv <= sms)
             assert 1 <= c.num_splits <= 2 * sms
             assert c.scratch_bytes <= c.ring_bytes
         # Launch shape depends on the batch alone and the workspace is bounded.

@@ -604,7 +604,7 @@ def precompiled_fp8_cluster():
 @pytest.mark.gpu
 @pytest.mark.parametrize("idx", range(len(CAP_SPECS)))
 def test_fp8_short_window_cluster_sizes(precompiled_fp8_cluster, idx):
-    """8 kv heads x B = 4, 5, 8 (32, 40, 64 pairs) with window 128: 4- then 2-CTA clusters, uint8 and float8 views."""
+    """8 kv heads x B = 2, 3, 8 (16, 24, 64 pairs) with window 128: 4- then 2-CTA clusters, uint8 and float8 views."""
     import flintgen
 
     spec = CAP_SPECS[idx]

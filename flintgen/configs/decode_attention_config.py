@@ -372,14 +372,14 @@ def _short_window(num_bh: int, num_sms: int, head_dim: int, gqa: int) -> DecodeA
 
     * <= 8 pairs: the pair's splits form a cluster of 8 CTAs (one slice per
       warp, 2 slots) merging in DSMEM (_fit_cluster shrinks it where the merge
-      mapping needs); then clusters of 4, 3 slots, while every pair's cluster
-      fits one wave of one CTA per SM (4 x pairs <= num_sms), then of 2 (2 x
-      pairs <= num_sms): a second wave of clusters costs a whole window's
-      latency. 16/2 B=8 window 128 (16 pairs, 4-CTA clusters): 3.22 us;
-      releasing dependents at entry is slower there (3.32; sweep run 19).
-      Sweep run 20 (eight interleaved passes), 16/2 d128 window 128, B = 24 /
-      32 (48 / 64 pairs): 2-CTA clusters 3.41 / 3.46 us, 4-CTA clusters (192 /
-      256 CTAs) 4.37 / 6.80, one split per pair 3.59 / 3.52.
+      mapping needs); <= 16 pairs: clusters of 4, 3 slots (16/2 B=8 window
+      128, 16 pairs: 3.22 us; releasing dependents at entry is slower there,
+      3.32; sweep run 19); <= 64 pairs, while the clusters fit one wave
+      (2 x pairs <= num_sms): clusters of 2. Sweep runs 20 / 21 (interleaved
+      passes), 16/2 d128 window 128, 2- / 4-CTA clusters / one split per pair:
+      B = 12 (24 pairs) 3.23 / 3.41 / 3.31 us; B = 24 (48) 3.41 / 4.37 / 3.59,
+      fp8 3.47 / 5.29 / 3.53; B = 32 (64) 3.46 / 6.80 / 3.52, fp8 3.58 / 5.37 /
+      3.96; B = 33 (66) 3.60 / 7.21 / 3.38: one split per pair from there.
     * More pairs: one CTA per pair. One to two pairs per SM: 2 ring slots, at
       most SHORT_WINDOW_CTAS_PER_SM CTAs per SM (uncapped, the block
       scheduler puts 0 to 3 of the window's CTAs on an SM and the kernel ends
@@ -394,9 +394,9 @@ def _short_window(num_bh: int, num_sms: int, head_dim: int, gqa: int) -> DecodeA
     """
     if num_bh <= 8:
         return _fit_cluster(8, 2, head_dim, gqa)
-    if 4 * num_bh <= num_sms:
+    if num_bh <= 16:
         return _fit_cluster(4, 3, head_dim, gqa)
-    if 2 * num_bh <= num_sms:
+    if num_bh <= 64 and 2 * num_bh <= num_sms:
         return _fit_cluster(2, 3, head_dim, gqa)
     if num_bh <= 2 * num_sms and num_bh > num_sms:
         return DecodeAttentionConfig(num_splits=1, num_warps=4, num_stages=2, min_pages=1, cluster=False,
