@@ -19,6 +19,8 @@
 #                                               # (s4c2gt[l8]; s4c2gtf16l8: heads finished in 16-token slices)
 #   bash benchmarks/gpu_run.sh ab-tests         # the GPU tests of those launch options (L2 prefetch, TMA)
 #   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
+#   bash benchmarks/gpu_run.sh window-clusters  # the short-window cluster band's GPU tests (bf16, fp8), then
+#                                               # compute-sanitizer's four tools over its first shape
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep (best of 3)
 #   bash benchmarks/gpu_run.sh sweep-passes     # the same, 8 interleaved passes, XQA-fp8 beside the fp8 rows
 #   bash benchmarks/gpu_run.sh qkv-fp8-ablation # what the QKV step's fp8 write costs, variant by variant, 5 runs
@@ -76,6 +78,11 @@ for what in "$@"; do
                    | tee "$OUT/ab_tests.log" | tail -15
                rc=$((rc || PIPESTATUS[0])) ;;
         ab-sanitize) sanitize_stream ab_sanitize "other_configs and (s8w1gt-M1 or s6w1gtf32l8-M64 or s8w1gl8-M1)" ;;
+        window-clusters) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_decode_attention_grid.py \
+                   tests/test_decode_attention_fp8.py -k "cluster_sizes or two_ctas" 2>&1 | tee "$OUT/window_clusters.log" | tail -5
+               rc=$((rc || PIPESTATUS[0]))
+               bash tools/sanitize.sh window_clusters 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
+                   tests/test_decode_attention_grid.py tests/test_decode_attention_fp8.py -k "cluster_sizes and 0" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
         qkv-fp8-ablation) python3 -m benchmarks.qkv_fp8_ablation --runs 5 2>&1 | tee "$OUT/qkv_fp8_ablation.log" | tail -50 ;;
