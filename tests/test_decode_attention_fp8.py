@@ -52,7 +52,8 @@ from flintgen.references.decode_attention import (
 
 from decode_attention_cases import (Fp8Case, call_op, check_compiled, cpu_op_args, lens_for, precompile, record,
                                     refill)
-from test_decode_attention_grid import CLUSTER_PLAN, LONG_WINDOWS, PAIRS, check_cluster_plan, grid_spec
+from test_decode_attention_grid import (CLUSTER_PLAN, LONG_WINDOWS, PAIRS, check_cluster_plan, grid_spec,
+                                        precompile_windows)
 
 KDEF = DecodeAttentionDef()
 T132 = Target("sm_90a", 132)
@@ -594,26 +595,17 @@ def test_fp8_short_window_two_ctas_per_sm(precompiled_fp8_cap, idx):
 
 @pytest.fixture(scope="module")
 def precompiled_fp8_cluster():
-    from flintgen import toolchain
-
-    n = precompile([(s, [(128, b) for b in CLUSTER_PLAN]) for s in CAP_SPECS], KDEF, toolchain.resolve_target(),
-                   _no_load)
-    record(f"precompiled {n} fp8 short-window cluster variants")
+    precompile_windows(CAP_SPECS, CLUSTER_PLAN, "fp8 short-window cluster")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("idx", range(len(CAP_SPECS)))
 def test_fp8_short_window_cluster_sizes(precompiled_fp8_cluster, idx):
     """8 kv heads x B = 2, 3, 8 (16, 24, 64 pairs) with window 128: 4- then 2-CTA clusters, uint8 and float8 views."""
-    import flintgen
-
     spec = CAP_SPECS[idx]
-    op = flintgen.get_kernel(spec, "decode_attention")
-    cap = 50.0 if spec.attn_logit_softcap else None
-    check_cluster_plan(op, spec, random.Random(430 + idx),
-                       lambda lens, seed, b: Fp8Case(spec, lens, 128, seed=seed, softcap=cap, k_scale=0.02,
-                                                     v_scale=0.01, as_uint8=b % 2 == 1, q_scale=30.0 if cap else 1.5),
-                       "fp8 cluster window")
+    check_cluster_plan(spec, 430 + idx, lambda lens, seed, b, cap, qs: Fp8Case(
+        spec, lens, 128, seed=seed, softcap=cap, k_scale=0.02, v_scale=0.01, as_uint8=b % 2 == 1, q_scale=qs),
+        "fp8 cluster window")
 
 
 @pytest.mark.gpu

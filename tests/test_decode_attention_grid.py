@@ -316,9 +316,22 @@ def test_short_window_two_ctas_per_sm(precompiled_cap, idx):
 CLUSTER_PLAN = [2, 3, 8]
 
 
-def check_cluster_plan(op, spec, rnd, make_case, what):
-    """The CLUSTER_PLAN launches of ``op`` (window 128): configs as the rule has them, window / slice / page edge
-    lengths, fresh inputs, poisoned outputs; ``make_case(lens, seed, b)`` builds the case."""
+def precompile_windows(specs, batches, what):
+    """The window-128 launches of ``batches`` for every spec of ``specs``, compiled before the tests run."""
+    from flintgen import toolchain
+
+    n = precompile([(s, [(128, b) for b in batches]) for s in specs], KDEF, toolchain.resolve_target(), _no_load)
+    record(f"precompiled {n} {what} variants")
+
+
+def check_cluster_plan(spec, seed, make_case, what):
+    """The CLUSTER_PLAN launches of ``spec``'s op (window 128): configs as the rule has them, window / slice / page
+    edge lengths, fresh inputs, poisoned outputs; ``make_case(lens, seed, b, softcap, q_scale)`` builds the case."""
+    import flintgen
+
+    op = flintgen.get_kernel(spec, "decode_attention")
+    rnd = random.Random(seed)
+    cap = 50.0 if spec.attn_logit_softcap else None
     for b in CLUSTER_PLAN:
         cfg = op.config(b, True)
         assert cfg.cluster and cfg.num_splits == (2 if b > 2 or spec.head_dim == 96 else 4), cfg
@@ -326,7 +339,7 @@ def check_cluster_plan(op, spec, rnd, make_case, what):
         lens[:min(b, 3)] = [0, 129, 1][:min(b, 3)]              # empty, window + 1 (an unaligned start), one token
         if b == 8:
             lens[3:8] = [15, 16, 17, 127, 128]
-        case = make_case(lens, rnd.randint(0, 2**31), b)
+        case = make_case(lens, rnd.randint(0, 2**31), b, cap, 30.0 if cap else 1.5)
         out = case.poisoned_out()
         op(*case.args(out), **case.kwargs())
         case.check(out, f"{what} {spec.name} b={b} {cfg.as_params()}")
@@ -334,23 +347,13 @@ def check_cluster_plan(op, spec, rnd, make_case, what):
 
 @pytest.fixture(scope="module")
 def precompiled_cluster():
-    from flintgen import toolchain
-
-    n = precompile([(s, [(128, b) for b in CLUSTER_PLAN]) for s in CAP_SPECS], KDEF, toolchain.resolve_target(),
-                   _no_load)
-    record(f"precompiled {n} short-window cluster variants")
+    precompile_windows(CAP_SPECS, CLUSTER_PLAN, "short-window cluster")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("idx", range(len(CAP_SPECS)))
 def test_short_window_cluster_sizes(precompiled_cluster, idx):
     """8 kv heads x B = 2, 3, 8 (16, 24, 64 pairs) with window 128: 4- then 2-CTA clusters."""
-    import flintgen
-
     spec = CAP_SPECS[idx]
-    op = flintgen.get_kernel(spec, "decode_attention")
-    cap = 50.0 if spec.attn_logit_softcap else None
-    check_cluster_plan(op, spec, random.Random(330 + idx),
-                       lambda lens, seed, b: Case(spec, lens, 128, seed=seed, softcap=cap,
-                                                  q_scale=30.0 if cap else 1.5),
-                       "cluster window")
+    check_cluster_plan(spec, 330 + idx, lambda lens, seed, b, cap, qs: Case(spec, lens, 128, seed=seed, softcap=cap,
+                                                                              q_scale=qs), "cluster window")
