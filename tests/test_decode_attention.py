@@ -125,7 +125,7 @@ def test_flint_variants_cover_every_batch():
     vs = KDEF.variants(FLINT, T132)
     names = [v.name for v in vs]
     assert len(names) == len(set(names))
-    assert sum(v["sliding"] for v in vs) == 4 and len(vs) == 19   # 4 sliding (2 clusters, capped, one split) + 15 full
+    assert sum(v["sliding"] for v in vs) == 5 and len(vs) == 20   # 5 sliding (clusters of 8, 4, 2, capped, one split) + 15 full
     op = KDEF.bind(FLINT, T132, _no_load)
     for sliding in (True, False):
         for b in range(1, FLINT.max_batch + 1):
