@@ -49,11 +49,11 @@ def _rows():
     for kv, b in (("bf16", 12), ("fp8_e4m3", 24), ("fp8_e4m3", 32), ("bf16", 33), ("bf16", 34)):
         spec = tp2.replace(kv_cache_dtype=kv)
         op, _ = _release_pair(spec, b, 128)
-        four = rp(op, num_splits=4, cluster=True, ctas_per_sm=0, early_release=False, num_stages=op.num_stages
-                  if op.cluster else 3 - (kv != "bf16"))
-        two = rp(four, num_splits=2)
-        one = C(num_splits=1, num_warps=4, num_stages=3 - (kv != "bf16"), min_pages=1, cluster=False, ctas_per_sm=0,
+        slots = 3 if kv == "bf16" else 2            # the band's ring slots (fp8: one fewer, _fp8_by_bytes)
+        one = C(num_splits=1, num_warps=4, num_stages=slots, min_pages=1, cluster=False, ctas_per_sm=0,
                 head_dim=128, gqa=8, kv_dtype=kv)
+        four = rp(one, num_splits=4, cluster=True, early_release=False)
+        two = rp(four, num_splits=2)
         cands = [op] + [c for c in (four, two, one) if c != op]
         rows[f"{'bf16' if kv == 'bf16' else 'fp8'} 16/2 d128 B={b} L=8k w128"] = (spec, b, 8192, 128, cands)
     return rows

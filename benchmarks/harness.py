@@ -92,6 +92,25 @@ def device_info() -> dict:
             "cuda": torch.version.cuda}
 
 
+def prebuild_into(todo, target, root: str) -> int:
+    """Build ``todo`` ((spec, kernel name, variant) triples) for ``target`` into the cache at ``root``, one process
+    per CPU core, and list the entries they need in ``root``/prebuilt.txt (to carry that subset alone to a GPU
+    machine). Returns the number of entries."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    from flintgen.cli import _build_one
+
+    root = os.path.abspath(root)
+    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2,
+                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        futs = [pool.submit(_build_one, s, k, v, target, root) for s, k, v in todo]
+        dirs = sorted({f.result()[4] for f in futs})
+    with open(os.path.join(root, "prebuilt.txt"), "w") as f:
+        f.write("".join(os.path.relpath(d, root) + "\n" for d in dirs))
+    return len(dirs)
+
+
 def commit() -> str:
     if os.environ.get("FLINTGEN_COMMIT"):
         return os.environ["FLINTGEN_COMMIT"]

@@ -49,7 +49,7 @@ from dataclasses import replace
 import torch
 
 import flintgen
-from benchmarks.harness import Row, read_bandwidth, time_graph, write_results
+from benchmarks.harness import Row, prebuild_into, read_bandwidth, time_graph, write_results
 from flintgen import quant
 from flintgen.configs.qkv_config import QKVConfig, token_tile
 from flintgen.kernels import qkv_stream
@@ -284,13 +284,9 @@ def mode_plan():
 
 
 def prebuild(root):
-    """Compile every variant of the mode's specs for sm_90a into ``root``."""
-    import concurrent.futures as cf
-    import multiprocessing
-    import os
-
+    """Compile every variant of the mode's specs for sm_90a into ``root`` (entries listed in prebuilt.txt)."""
     from flintgen import toolchain
-    from flintgen.cli import _build_one, _plan
+    from flintgen.cli import _plan
 
     specs = fp8_specs() if "--fp8" in sys.argv else [s for s, _ in mode_plan()[0]]
     target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
@@ -301,13 +297,8 @@ def prebuild(root):
         todo += [(s, "qkv", kd.variant(s, config=cfg, max_m=t, target=target)) for s in specs
                  for _, cfg, kd in stream_configs() if cfg is not None or kd is not KDEF
                  for t in token_tiles(s.max_tokens)]
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2)), mp_context=ctx) as pool:
-        dirs = [f.result()[4] for f in [pool.submit(_build_one, s, k, v, target, os.path.abspath(root))
-                                        for s, k, v in todo]]
-    with open(os.path.join(root, "prebuilt.txt"), "w") as f:  # the entries this run needs (to carry a subset)
-        f.write("".join(os.path.relpath(d, root) + "\n" for d in sorted(set(dirs))))
-    print(f"prebuilt {len(todo)} variants into {root} (entries listed in prebuilt.txt)")
+    n = prebuild_into(todo, target, root)
+    print(f"prebuilt {len(todo)} variants ({n} entries, listed in prebuilt.txt) into {root}")
 
 
 def fp8_main():

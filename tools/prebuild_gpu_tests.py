@@ -9,8 +9,6 @@ fixtures build theirs on a GPU machine with the DSL.)
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing
 import os
 import sys
 
@@ -66,19 +64,14 @@ def plan():
 
 
 def main():
+    from benchmarks.harness import prebuild_into
     from flintgen import cache
-    from flintgen.cli import _build_one
 
     t, todo = plan()
     root = cache.default_root()
     print(f"{len(todo)} variants -> {root}", flush=True)
-    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2,
-                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        futs = [pool.submit(_build_one, spec, kdef.name, v, t, root) for kdef, spec, v in todo.values()]
-        dirs = [f.result()[4] for f in futs]
-    with open(os.path.join(root, "prebuilt.txt"), "w") as f:
-        f.write("".join(os.path.relpath(d, root) + "\n" for d in sorted(set(dirs))))
-    print(f"built; {len(set(dirs))} entries listed in {os.path.join(root, 'prebuilt.txt')}")
+    n = prebuild_into([(spec, kdef.name, v) for kdef, spec, v in todo.values()], t, root)
+    print(f"built; {n} entries listed in {os.path.join(root, 'prebuilt.txt')}")
 
 
 if __name__ == "__main__":
