@@ -289,9 +289,7 @@ def _precompile(plan, target=None, root=None):
     processes before timing (a first call would otherwise compile inline),
     for ``target`` (default the GPU's) into cache root ``root`` (default
     the default one). Returns the number of variants."""
-    import concurrent.futures as cf
-    import multiprocessing
-
+    from benchmarks.harness import build_parallel
     from flintgen import cache, toolchain
     from flintgen.cli import _build_one
     from flintgen.kernels import get_def
@@ -302,10 +300,8 @@ def _precompile(plan, target=None, root=None):
     for spec, b, sliding in plan:
         v = kdef.bind(spec, target, lambda v: None)._variants[sliding][b]
         todo.setdefault(v.name, (spec, v))
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
-        for f in [pool.submit(_build_one, spec, "decode_attention", v, target, root) for spec, v in todo.values()]:
-            f.result()
+    build_parallel(_build_one, [(spec, "decode_attention", v, target, root) for spec, v in todo.values()],
+                   workers=max(1, (os.cpu_count() or 2) - 1))
     return len(todo)
 
 

@@ -25,6 +25,8 @@
 #   bash benchmarks/gpu_run.sh sweep-passes     # the same, 8 interleaved passes, XQA-fp8 beside the fp8 rows
 #   bash benchmarks/gpu_run.sh qkv-fp8-ablation # what the QKV step's fp8 write costs, variant by variant, 5 runs
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
+#   bash benchmarks/gpu_run.sh qkv-timeline     # per-CTA stamps of the RMSNorm + QKV step and the GEMV alone
+#                                               # (benchmarks/qkv_timeline.py; prebuild with its --prebuild)
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
 # first) and FLINTGEN_CACHE_DIR pointing at a carried cache; FLINTGEN_COMMIT names
@@ -86,6 +88,7 @@ for what in "$@"; do
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
         qkv-fp8-ablation) python3 -m benchmarks.qkv_fp8_ablation --runs 5 2>&1 | tee "$OUT/qkv_fp8_ablation.log" | tail -50 ;;
+        qkv-timeline) python3 -m benchmarks.qkv_timeline 2>&1 | tee "$OUT/qkv_timeline.log" | tail -40 ;;
         decode-step) for b in 8 64; do python3 examples/decode_step.py --batch "$b"; done 2>&1 \
                | tee "$OUT/decode_step.log" | tail -12 ;;
         *) echo "unknown: $what" >&2; exit 2 ;;

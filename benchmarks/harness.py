@@ -92,23 +92,35 @@ def device_info() -> dict:
             "cuda": torch.version.cuda}
 
 
+def build_parallel(fn: Callable, jobs: list[tuple], workers: int | None = None) -> list:
+    """``fn(*job)`` for every job, in ``workers`` spawned processes (default one per CPU core; ``fn`` a
+    module-level function, its jobs picklable): the results in job order; the first failure raises."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    with cf.ProcessPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 2, len(jobs) or 1)),
+                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [f.result() for f in [pool.submit(fn, *job) for job in jobs]]
+
+
+def list_prebuilt(root: str, dirs, append: bool = False) -> int:
+    """Write (or ``append``) the cache entry directories ``dirs`` to ``root``/prebuilt.txt, the subset of the
+    cache a GPU run needs carried. Returns how many distinct ones."""
+    dirs = sorted(set(dirs))
+    with open(os.path.join(root, "prebuilt.txt"), "a" if append else "w") as f:
+        f.write("".join(os.path.relpath(d, root) + "\n" for d in dirs))
+    return len(dirs)
+
+
 def prebuild_into(todo, target, root: str) -> int:
     """Build ``todo`` ((spec, kernel name, variant) triples) for ``target`` into the cache at ``root``, one process
     per CPU core, and list the entries they need in ``root``/prebuilt.txt (to carry that subset alone to a GPU
     machine). Returns the number of entries."""
-    import concurrent.futures as cf
-    import multiprocessing
-
     from flintgen.cli import _build_one
 
     root = os.path.abspath(root)
-    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2,
-                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        futs = [pool.submit(_build_one, s, k, v, target, root) for s, k, v in todo]
-        dirs = sorted({f.result()[4] for f in futs})
-    with open(os.path.join(root, "prebuilt.txt"), "w") as f:
-        f.write("".join(os.path.relpath(d, root) + "\n" for d in dirs))
-    return len(dirs)
+    done = build_parallel(_build_one, [(s, k, v, target, root) for s, k, v in todo])
+    return list_prebuilt(root, [r[-1] for r in done])
 
 
 def commit() -> str:

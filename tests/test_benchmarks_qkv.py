@@ -56,3 +56,68 @@ def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
 def test_bad_label_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"--configs label 'x9' is not"):
         _configs(monkeypatch, "x9")
+
+
+def test_timeline_patches_apply():
+    """benchmarks/qkv_timeline.py stamps every row's QKV binary and the RMSNorm: each stamp once, the stamp
+    buffer in every signature and call of the module, and what it leaves parses."""
+    import ast
+
+    from benchmarks import qkv_timeline as tl
+
+    seen = set()
+    for label, spec, m, cfg in tl.rows():
+        v, norm = tl.variants(spec, m, cfg, SM90)
+        for kdef, var in ((tl.KDEF, v), (tl.RMS, norm)):
+            src = tl.patched_source(kdef, spec, var)
+            ast.parse(src)
+            for slot in (8, 16, 24, 32, 40, 48):   # clk entry / waited / streamed / done, gt exit, smid
+                assert src.count(f"(st_row + {slot})") == 1, (label, var.name, slot)
+            assert src.count("_gt(st_row)") == 1 and src.count("st_row = stamps.iterator.toint()") == 1
+            sigs = src.count("slot_mapping: cute.Tensor") or src.count("        weight: cute.Tensor,\n")
+            assert src.count("stamps: cute.Tensor") == sigs, (label, var.name)
+            seen.add(tl.kind_of(kdef, var))
+    assert seen == {"rms_norm", "cluster", "stream"}
+
+
+def test_timeline_patch_mismatch_is_refused(monkeypatch):
+    from benchmarks import qkv_timeline as tl
+
+    spec = tl.specs()[0]
+    _, norm = tl.variants(spec, 1, None, SM90)
+    monkeypatch.setitem(tl.PATCHES, "rms_norm", [("no such line\n", "x", 1)])
+    with pytest.raises(RuntimeError, match=r"'no such line\\n' occurs 0 times, expected 1"):
+        tl.patched_source(tl.RMS, spec, norm)
+
+
+def _stamp_rows(rows, ns_per_clk=0.5):
+    """Stamp buffer rows (entry gt ns, waited / streamed / done offsets in ns, smid) -> int64 [CTAs x 8]."""
+    import torch
+
+    out = []
+    for gt0, waited, streamed, done, sm in rows:
+        clk0 = 1000 + 7 * sm    # clock64 counters differ per SM: only differences count
+        out.append([gt0, clk0, clk0 + waited / ns_per_clk, clk0 + streamed / ns_per_clk,
+                    clk0 + done / ns_per_clk, gt0 + done, sm, 0])
+    return torch.tensor(out, dtype=torch.float64).round().to(torch.int64).flatten()
+
+
+def test_timeline_analyse_places_phases():
+    """analyse(): times after the previous call's last QKV exit, from globaltimer entries and clock64 phases
+    at one clock rate; the RMSNorm's wait and exit; CTAs per SM."""
+    from benchmarks import qkv_timeline as tl
+
+    # call 0: QKV CTAs exit at 10_000 and 12_000 ns; call 1: two CTAs entering at 11_000 / 12_500
+    q0 = _stamp_rows([(0, 1000, 8000, 10_000, 0), (2000, 1000, 9000, 10_000, 1)])
+    q1 = _stamp_rows([(11_000, 3000, 9000, 10_000, 0), (12_500, 2000, 8000, 9000, 0)])
+    r0 = _stamp_rows([(0, 0, 0, 500, 0)])
+    r1 = _stamp_rows([(12_100, 900, 900, 1500, 2)])   # waits until 13_000, exits at 13_600
+    (res,) = tl.analyse([q0, q1], [r0, r1], sms=4)
+    assert res["r"] == pytest.approx((0.1, 1.0, 1.6))
+    assert res["q_entry"] == pytest.approx((-1.0, -1.0, 0.5))      # the median of two: torch takes the lower
+    assert res["q_waited"] == pytest.approx((2.0, 2.5))                   # 11_000 + 3000, 12_500 + 2000
+    assert res["q_exit"] == pytest.approx((9.0, 9.5))                      # 21_000 and 21_500 - 12_000
+    assert res["q_stream_phase"] == pytest.approx(6.0)
+    assert res["q_finish_phase"] == pytest.approx(1.0)
+    assert res["ctas_per_sm"] == (0, 2)
+    assert res["q_waited_after_r"] == pytest.approx((14_000 - 13_600) / 1e3)   # median wait 14_000 (lower)
