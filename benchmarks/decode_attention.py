@@ -289,10 +289,10 @@ def _precompile(plan, target=None, root=None):
     processes before timing (a first call would otherwise compile inline),
     for ``target`` (default the GPU's) into cache root ``root`` (default
     the default one). Returns the number of variants."""
-    from benchmarks.harness import build_parallel
     from flintgen import cache, toolchain
     from flintgen.cli import _build_one
     from flintgen.kernels import get_def
+    from flintgen.procutil import run_spawned
 
     kdef, target = get_def("decode_attention"), target or toolchain.resolve_target()
     root = root or cache.default_root()
@@ -300,8 +300,8 @@ def _precompile(plan, target=None, root=None):
     for spec, b, sliding in plan:
         v = kdef.bind(spec, target, lambda v: None)._variants[sliding][b]
         todo.setdefault(v.name, (spec, v))
-    build_parallel(_build_one, [(spec, "decode_attention", v, target, root) for spec, v in todo.values()],
-                   workers=max(1, (os.cpu_count() or 2) - 1))
+    run_spawned(_build_one, [(spec, "decode_attention", v, target, root) for spec, v in todo.values()],
+                workers=max(1, (os.cpu_count() or 2) - 1))
     return len(todo)
 
 

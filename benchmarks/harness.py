@@ -92,17 +92,6 @@ def device_info() -> dict:
             "cuda": torch.version.cuda}
 
 
-def build_parallel(fn: Callable, jobs: list[tuple], workers: int | None = None) -> list:
-    """``fn(*job)`` for every job, in ``workers`` spawned processes (default one per CPU core; ``fn`` a
-    module-level function, its jobs picklable): the results in job order; the first failure raises."""
-    import concurrent.futures as cf
-    import multiprocessing
-
-    with cf.ProcessPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 2, len(jobs) or 1)),
-                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        return [f.result() for f in [pool.submit(fn, *job) for job in jobs]]
-
-
 def list_prebuilt(root: str, dirs, append: bool = False) -> int:
     """Write (or ``append``) the cache entry directories ``dirs`` to ``root``/prebuilt.txt, the subset of the
     cache a GPU run needs carried. Returns how many distinct ones."""
@@ -117,9 +106,10 @@ def prebuild_into(todo, target, root: str) -> int:
     per CPU core, and list the entries they need in ``root``/prebuilt.txt (to carry that subset alone to a GPU
     machine). Returns the number of entries."""
     from flintgen.cli import _build_one
+    from flintgen.procutil import run_spawned
 
     root = os.path.abspath(root)
-    done = build_parallel(_build_one, [(s, k, v, target, root) for s, k, v in todo])
+    done = run_spawned(_build_one, [(s, k, v, target, root) for s, k, v in todo])
     return list_prebuilt(root, [r[-1] for r in done])
 
 

@@ -248,12 +248,12 @@ def _regs(e):
 
 
 def prebuild(root: str) -> None:
-    from benchmarks.harness import build_parallel
+    from flintgen.procutil import run_spawned
 
     root = os.path.abspath(root)
     target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
     _, entries = plan(target, root)
-    build_parallel(_build, [(t, s, v, target, root) for t, s, v, _ in entries])
+    run_spawned(_build, [(t, s, v, target, root) for t, s, v, _ in entries])
     print(f"prebuilt {len(entries)} binaries into {root}")
     ref = {(s.name, s.kv_cache_dtype): e for t, s, _, e in entries if t in ("bf16", "fp8")}
     for t, s, _, e in entries:   # PTX lines changed against the reference of the same cache dtype

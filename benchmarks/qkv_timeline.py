@@ -175,7 +175,8 @@ def _build_stamped(kdef_name, spec, m, cfg, target, root):
 def prebuild(root: str) -> None:
     """The op's binaries (every variant of the rows' configurations) and the stamped ones, for sm_90a into
     ``root``; prebuilt.txt lists them all."""
-    from benchmarks.harness import build_parallel, list_prebuilt, prebuild_into
+    from benchmarks.harness import list_prebuilt, prebuild_into
+    from flintgen.procutil import run_spawned
 
     root = os.path.abspath(root)
     target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
@@ -187,7 +188,7 @@ def prebuild(root: str) -> None:
     todo = list({(s.name, v.name): (s, k, v) for s, k, v in todo}.values())
     prebuild_into(todo, target, root)
     jobs = [("qkv", spec, m, cfg) for _, spec, m, cfg in rows()] + [("rms_norm", spec, 1, None) for spec in specs()]
-    dirs = build_parallel(_build_stamped, [(*job, target, root) for job in jobs])
+    dirs = run_spawned(_build_stamped, [(*job, target, root) for job in jobs])
     n = list_prebuilt(root, dirs, append=True)
     print(f"prebuilt {len(todo)} op variants and {n} stamped binaries into {root}")
 

@@ -9,9 +9,7 @@ and exits 1. Tracebacks only with ``--debug`` or ``FLINTGEN_DEBUG=1``.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
-import multiprocessing
 import os
 import re
 import sys
@@ -186,13 +184,6 @@ def _build_one(spec: Spec, kernel: str, variant, target, root: str):
     return variant.name, outcome.hit, time.perf_counter() - t0, meta.get("resources"), entry.dir
 
 
-def _init_worker(parent_pid: int) -> None:
-    """Pool worker start: die with the parent, even when it is SIGKILLed."""
-    from flintgen import procutil
-
-    procutil.die_with_parent(parent_pid)
-
-
 def _build_all(spec: Spec, plan, target, root: str, jobs: int):
     """(results, failures) of building ``plan``; failures are (variant name, exception)."""
     results, failures = [], []
@@ -204,17 +195,16 @@ def _build_all(spec: Spec, plan, target, root: str, jobs: int):
                 except Exception as e:  # noqa: BLE001 - reported below, build goes on
                     failures.append((v.name, e))
         return results, failures
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(plan) or 1), mp_context=ctx,
-                                initializer=_init_worker, initargs=(os.getpid(),)) as pool:
-        futs = {pool.submit(_build_one, spec, name, v, target, root): v for name, v in plan}
-        with click.progressbar(length=len(futs), label="building") as bar:
-            for fut in cf.as_completed(futs):
-                try:
-                    results.append(fut.result())
-                except Exception as e:  # noqa: BLE001
-                    failures.append((futs[fut].name, e))
-                bar.update(1)
+    from flintgen import procutil
+
+    with click.progressbar(length=len(plan), label="building") as bar:
+        out = procutil.run_spawned(_build_one, [(spec, name, v, target, root) for name, v in plan], jobs,
+                                   return_exceptions=True, on_done=lambda: bar.update(1))
+    for (_, v), r in zip(plan, out):
+        if isinstance(r, BaseException):
+            failures.append((v.name, r))
+        else:
+            results.append(r)
     return results, failures
 
 

@@ -191,11 +191,9 @@ def precompile(plans, kdef, target, no_load):
     that the (spec, [(window, batch), ...]) ``plans`` launch, into the default
     cache: GPU tests then spend the GPU's time running, not compiling.
     Returns the number of distinct variants."""
-    import concurrent.futures as cf
-    import multiprocessing
-
     from flintgen import cache
     from flintgen.cli import _build_one
+    from flintgen.procutil import run_spawned
 
     todo = {}
     for spec, plan in plans:
@@ -204,11 +202,8 @@ def precompile(plans, kdef, target, no_load):
             v = op._variants[window is not None][b]
             todo.setdefault(v.name, (spec, v))   # the binary depends on the variant alone
     root = cache.default_root()
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), mp_context=ctx) as pool:
-        futs = [pool.submit(_build_one, spec, kdef.name, v, target, root) for spec, v in todo.values()]
-        for f in cf.as_completed(futs):
-            f.result()
+    run_spawned(_build_one, [(spec, kdef.name, v, target, root) for spec, v in todo.values()],
+                workers=max(1, (os.cpu_count() or 2) - 1))
     return len(todo)
 
 

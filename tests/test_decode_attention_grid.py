@@ -174,24 +174,14 @@ def built_families():
     """Compile every family in parallel (one process per CPU core) into the
     default cache root; returns {variant name: entry dir, or the build's
     exception (a spill is refused: KernelResourceError)}."""
-    import concurrent.futures as cf
-    import multiprocessing
-    import os
-
     from flintgen.cli import _build_one
+    from flintgen.procutil import run_spawned
 
     todo = {v.name: (spec, v) for spec, v in _FAMILIES.values()}
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=ctx) as pool:
-        futs = [pool.submit(_build_one, spec, "decode_attention", v, T132, cache.default_root())
-                for spec, v in todo.values()]
-        out = {}
-        for name, f in zip(todo, futs):
-            try:
-                out[name] = f.result()[4]
-            except Exception as e:  # noqa: BLE001 (reported by the family's test)
-                out[name] = e
-        return out
+    done = run_spawned(_build_one, [(spec, "decode_attention", v, T132, cache.default_root())
+                                    for spec, v in todo.values()], return_exceptions=True)
+    # an exception is reported by the family's test
+    return {name: r if isinstance(r, BaseException) else r[4] for name, r in zip(todo, done)}
 
 
 @pytest.mark.compile

@@ -222,24 +222,14 @@ def built_grid():
     """Compile the grid in parallel (one process per CPU core) into the
     default cache root; {variant name: entry dir, or the build's exception (a
     spill is refused: KernelResourceError)}."""
-    import concurrent.futures as cf
-    import multiprocessing
-    import os
-
     from flintgen.cli import _build_one
+    from flintgen.procutil import run_spawned
 
     todo = _todo()
-    ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=ctx) as pool:
-        futs = {name: pool.submit(_build_one, spec, kernel, v, T132, cache.default_root())
-                for name, (spec, kernel, v) in todo.items()}
-        out = {}
-        for name, f in futs.items():
-            try:
-                out[name] = f.result()[4]
-            except Exception as e:  # noqa: BLE001 (reported by the variant's test)
-                out[name] = e
-        return out
+    done = run_spawned(_build_one, [(spec, kernel, v, T132, cache.default_root())
+                                    for spec, kernel, v in todo.values()], return_exceptions=True)
+    # an exception is reported by the variant's test
+    return {name: r if isinstance(r, BaseException) else r[4] for name, r in zip(todo, done)}
 
 
 def _compiled(built, kdef, spec, v):

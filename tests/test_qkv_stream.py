@@ -561,13 +561,12 @@ if __name__ == "__main__":
     # compile the GPU tests' binaries for sm_90a / 132 SMs into DIR (--no-other-configs: not
     # test_stream_other_configs' ring depths and paths; --finish-only: the spread finish's binaries alone;
     # --configs-matching: test_stream_other_configs' configs whose id (_cfg_id) holds one of the strings, alone)
-    import concurrent.futures as cf
-    import multiprocessing
     import os
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from flintgen.cli import _build_one
+    from flintgen.procutil import run_spawned
 
     from flintgen.configs.qkv_config import token_tiles
 
@@ -585,7 +584,5 @@ if __name__ == "__main__":
                 if any(w in _cfg_id(c) for w in want)
                 for tile in token_tiles(mt) for d in (False, True)
                 for v in [KDEF.variant(_ring_spec(mt)[1], config=c, max_m=tile, target=T132, debug=d)]}
-    with cf.ProcessPoolExecutor(max_workers=os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for f in [pool.submit(_build_one, s, k.name, v, T132, root) for k, s, v in todo.values()]:
-            f.result()
+    run_spawned(_build_one, [(s, k.name, v, T132, root) for k, s, v in todo.values()])
     print(f"prebuilt {len(todo)} variants into {root}")
