@@ -18,6 +18,9 @@
 #                                               # the TMA ring (T, TL), at 8 tokens (s8gt), 2 CTAs per SM
 #                                               # (s4c2gt[l8]; s4c2gtf16l8: heads finished in 16-token slices)
 #   bash benchmarks/gpu_run.sh ab-tests         # the GPU tests of those launch options (L2 prefetch, TMA)
+#   bash benchmarks/gpu_run.sh stream-tail      # the op's QKV step at M = 16 / 32 / 64 against two phases
+#                                               # (h: tail heads streamed second, f8: 8-token finishing slices)
+#   bash benchmarks/gpu_run.sh tail-tests       # the GPU tests of two phases, then compute-sanitizer over two
 #   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
 #   bash benchmarks/gpu_run.sh window-clusters  # the short-window cluster band's GPU tests (bf16, fp8), then
 #                                               # compute-sanitizer's four tools over its first shape
@@ -79,6 +82,13 @@ for what in "$@"; do
                       "$S::test_stream_layers_back_to_back_race_free[tma]"; exit $((r1 || $?)); } 2>&1 \
                    | tee "$OUT/ab_tests.log" | tail -15
                rc=$((rc || PIPESTATUS[0])) ;;
+        stream-tail) python3 -m benchmarks.qkv --stream --ms 16,32,64 --no-fill --configs s6gf8,s6gf8h8,s6gf8h12,s6gf8h16 \
+               2>&1 | tee "$OUT/qkv_stream_tail.log" | tail -40 ;;
+        tail-tests) S=tests/test_qkv_stream.py
+               python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx $S -k "f8gh or f8h or h20 or tail" 2>&1 \
+                   | tee "$OUT/tail_tests.log" | tail -15
+               rc=$((rc || PIPESTATUS[0]))
+               sanitize_stream tail_sanitize "finish_numerics and (flint_bf16-M33-f8gh10 or d96_r24-M57-f8h12)" ;;
         ab-sanitize) sanitize_stream ab_sanitize "other_configs and (s8w1gt-M1 or s6w1gtf32l8-M64 or s8w1gl8-M1)" ;;
         window-clusters) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_decode_attention_grid.py \
                    tests/test_decode_attention_fp8.py -k "cluster_sizes or two_ctas" 2>&1 | tee "$OUT/window_clusters.log" | tail -5

@@ -101,11 +101,12 @@ PATCHES = {
         (" slot_mapping, q, k_cache,", " stamps, slot_mapping, q, k_cache,", 0),              # and every call
         ("'slot_mapping', 'q',", "'stamps', 'slot_mapping', 'q',", 1),
         (f"{I8}\"q\": make_fake_compact_tensor(", f"{I8}\"stamps\": {FAKE_STAMPS},\n{I8}\"q\": make_fake_compact_tensor(", 1),
-        (f"{I8}cute.arch.griddepcontrol_launch_dependents()\n{I8}lo = cta * UNITS // GRID\n",
-         _entry(I8, "cta") + f"{I8}cute.arch.griddepcontrol_launch_dependents()\n{I8}lo = cta * UNITS // GRID\n", 1),
+        (f"{I8}cute.arch.griddepcontrol_launch_dependents()\n{I8}lo = cta * PHASE_UNITS[0] // GRID",
+         _entry(I8, "cta") + f"{I8}cute.arch.griddepcontrol_launch_dependents()\n{I8}lo = cta * PHASE_UNITS[0] // GRID",
+         1),
         (f"{I8}cute.arch.griddepcontrol_wait()\n", f"{I8}cute.arch.griddepcontrol_wait()\n" + _clk_at(I8, 2), 1),
-        (f"{I12}if cutlass.const_expr(FINISH_SLICES > 0):\n{I12}    # ---- spread finish",
-         _clk_at(I12, 3) + f"{I12}if cutlass.const_expr(FINISH_SLICES > 0):\n{I12}    # ---- spread finish", 1),
+        (f"{I12}if cutlass.const_expr(FINISH_SLICES > 0):\n{I12}    self.finish_phase(",     # the last phase's finish
+         _clk_at(I12, 3) + f"{I12}if cutlass.const_expr(FINISH_SLICES > 0):\n{I12}    self.finish_phase(", 1),
         ("\n\n    def store_partials(", "\n" + _exit(I8) + "\n    def store_partials(", 1),
     ],
 }

@@ -257,3 +257,146 @@ def test_tma_ring_plan():
     assert t.lookahead == p.lookahead == 4
     with pytest.raises(ValueError, match=r"tma = True writes the 128-byte swizzled stages of the wgmma ring"):
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=6, tma=True)
+
+
+# ----------------------------------------------------------------- two phases (tail_heads)
+PHASED = [(2048, 128, 40, 132, 64, 10), (4096, 128, 48, 132, 64, 12), (2048, 128, 40, 132, 64, 5),
+          (2880, 64, 80, 132, 32, 20), (16384, 256, 6, 132, 64, 2), (3072, 96, 48, 114, 16, 39),
+          (1024, 64, 5, 7, 8, 4), (512, 128, 6, 8, 8, 1)]
+
+
+def _template_segments(p, c):
+    """What the template's ring loop does for CTA c: (slot, block, first unit, end unit, ring index of the first
+    unit) per non-empty segment, in order; and the ring's units in copy order (unit_at)."""
+    lo, hi = p.lo(c, 0), p.lo(c + 1, 0)
+    n, lo1 = hi - lo, lo
+    if p.phases == 2:
+        lo1 = p.lo(c, 1)
+        n += p.lo(c + 1, 1) - lo1
+    ring = [lo + j + (j >= hi - lo) * (lo1 - hi) if p.phases == 2 else lo + j for j in range(n)]
+    seg_offset = [p.segment_offset(q) for q in range(p.phases)]
+    out = []
+    for ps in range(p.slots_per_cta):
+        ph = 0 if ps < seg_offset[-1] or p.phases == 1 else 1
+        seg = ps - seg_offset[ph]
+        p_lo, p_hi, j0 = (lo, hi, 0) if ph == 0 else (lo1, lo1 + n - (hi - lo), hi - lo)
+        blk = p_lo // p.steps + seg
+        a, e = max(p_lo, blk * p.steps), min(p_hi, blk * p.steps + p.steps)
+        if a < e:
+            out.append((c * p.slots_per_cta + ps, blk, a, e, a - p_lo + j0))
+    return out, ring
+
+
+@pytest.mark.parametrize("hidden, d, heads, ctas, mm, tail", PHASED)
+def test_phases_plan_matches_the_template(hidden, d, heads, ctas, mm, tail):
+    """Two phases: the template's unrolled segment loop and ring order (emulated) stream every unit exactly once,
+    in ring order, each segment's partial in its own slot (= plan.slot), each block's contributors a run of CTAs
+    (= plan.contributors, the merge's closed form), every head's counter reaching its target, and a phase-0 head
+    depending on phase-0 ranges only."""
+    p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, finish_tokens=8, tail_heads=tail)
+    assert p.phases == 2 and p.phase_heads == ((0, heads - tail), (heads - tail, heads))
+    assert p.phase_units(0) + p.phase_units(1) == p.units and p.phase_offset(1) == p.phase_units(0)
+    owner, slots, head_units = [None] * p.units, set(), [0] * heads
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    for c in range(p.grid):
+        segs, ring = _template_segments(p, c)
+        assert [(b, a, e) for _, b, a, e, _ in segs] == p.segments(c)
+        streamed = []
+        for slot, b, a, e, j in segs:
+            assert ring[j:j + e - a] == list(range(a, e))       # the segment's units are the ring's next copies
+            streamed += range(a, e)
+            assert slot == p.slot(c, b) and 0 <= slot < p.slots and slot not in slots
+            slots.add(slot)
+            head_units[b // p.blocks_per_head] += e - a
+            by_block.setdefault(b, []).append((c, slot))
+            ph = p.phase_of_block(b)
+            assert p.lo(c, ph) <= a < e <= p.lo(c + 1, ph)
+            for u in range(a, e):
+                assert owner[u] is None
+                owner[u] = c
+        assert streamed == ring                                  # in ring order, nothing skipped
+        for ph in range(p.phases):
+            assert sum(1 for _, b, *_ in segs if p.phase_of_block(b) == ph) <= p.phase_segments(ph)
+    assert None not in owner and head_units == [p.head_units] * heads
+    assert all(p.cta_of_unit(u) == owner[u] for u in range(p.units))
+    for b, contrib in by_block.items():
+        first, last = p.contributors(b)
+        assert [c for c, _ in contrib] == list(range(first, last + 1))
+        ph = p.phase_of_block(b)
+        for c, slot in contrib:   # the merge's slot of contributor c (finish_head's closed form)
+            first_blk = (p.phase_offset(ph) + c * p.phase_units(ph) // p.grid) // p.steps
+            assert c * p.slots_per_cta + p.segment_offset(ph) + b - first_blk == slot
+    assert p.max_contributors == max(len(v) for v in by_block.values())
+    assert p.workspace_floats == p.grid * p.slots_per_cta * p.block_rows * mm
+
+
+@pytest.mark.parametrize("hidden, d, heads, ctas, mm, tail", PHASED)
+def test_phases_merge_sums_in_k_order(hidden, d, heads, ctas, mm, tail):
+    """An integer GEMV through the plan: each CTA's segment partials into its slots, each block merged from its
+    contributors' slots in CTA order, equals the direct product."""
+    import random
+
+    p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, finish_tokens=8, tail_heads=tail)
+    rng = random.Random(hidden + heads + tail)
+    w = [rng.randrange(-9, 10) for _ in range(p.units)]          # one weight per unit (one row, one token)
+    ws = [None] * p.slots
+    for c in range(p.grid):
+        for slot, b, a, e, _ in _template_segments(p, c)[0]:
+            ws[slot] = sum(w[a:e])
+    for b in range(p.blocks):
+        first, last = p.contributors(b)
+        got = sum(ws[p.slot(c, b)] for c in range(first, last + 1))
+        assert got == sum(w[b * p.steps:(b + 1) * p.steps]), b
+
+
+@pytest.mark.parametrize("hidden, d, heads, ctas, mm, tail", PHASED)
+def test_phases_finish_slices(hidden, d, heads, ctas, mm, tail):
+    """Every slice of every head has one finisher, of its own phase's spread: CTA c's slices of phase p are
+    [ceil(c F_p / grid), ceil((c + 1) F_p / grid)) of that phase (the template's closed form), at most
+    phase_owned(p) of them."""
+    p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=mm, finish_tokens=8, tail_heads=tail)
+    assert p.phase_slices(0) + p.phase_slices(1) == p.finish_total
+    assert p.max_owned == p.phase_owned(0) + p.phase_owned(1)
+    got = {}
+    for ph in range(2):
+        f = p.phase_slices(ph)
+        for c in range(p.grid):
+            own = range(-(-c * f // p.grid), -(-(c + 1) * f // p.grid))
+            assert len(own) <= p.phase_owned(ph)
+            for s in own:
+                head = p.phase_heads[ph][0] + s // p.finish_slices
+                gs = head * p.finish_slices + s % p.finish_slices      # the slice among every head's
+                assert gs not in got and p.finisher(gs) == c
+                got[gs] = c
+    assert sorted(got) == list(range(p.finish_total))
+
+
+def test_one_phase_is_the_plan_it_was():
+    """tail_heads 0: one phase of every head, the closed forms of the one-range plan."""
+    p = sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, finish_tokens=32)
+    assert p.phases == 1 and p.phase_units(0) == p.units and p.slots_per_cta == p.max_segments
+    assert all(p.lo(c) == c * p.units // p.grid for c in range(p.grid + 1))
+    assert p.phase_slices(0) == p.finish_total and p.max_owned == p.phase_owned(0)
+
+
+def test_phases_refusals():
+    with pytest.raises(ValueError, match=r"tail_heads = 40 must be 0 \(one phase\) or 1..39 \(of the 40 heads"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, finish_tokens=8, tail_heads=40)
+    with pytest.raises(ValueError, match=r"tail_heads = 10 \(two phases\) finishes heads in slices on the cp.async "
+                                         r"ring: it needs finish_tokens > 0 \(got 0\)"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, tail_heads=10)
+    with pytest.raises(ValueError, match=r"tma = False \(got True\)"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, stages=6, wgmma=True, tma=True,
+                      finish_tokens=8, tail_heads=10)
+    with pytest.raises(ValueError, match=r"l2_prefetch = 0 \(got 8\)"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, finish_tokens=8, l2_prefetch=8,
+                      tail_heads=10)
+    with pytest.raises(ValueError, match=r"needs finish_tokens > 0 \(got 0\)"):
+        StreamConfig(stages=6, wgmma=True, tail_heads=10)
+    # every CTA streams a range of each phase: 4 heads of 32 units are fewer than 132 CTAs
+    with pytest.raises(ValueError, match=r"tail_heads = 4 leaves a phase of 128 units, fewer than the 132 CTAs "
+                                         r"\(every CTA streams a range of each phase\): use 5..35 tail heads of 32 "
+                                         r"units"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, finish_tokens=8, tail_heads=4)
+    with pytest.raises(ValueError, match=r"tail_heads = 36 leaves a phase of 128 units"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, finish_tokens=8, tail_heads=36)

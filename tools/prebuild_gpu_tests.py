@@ -1,4 +1,4 @@
-"""The binaries of gpu_run.sh's window-clusters, ab-tests and ab-sanitize targets, built here (no GPU) for
+"""The binaries of gpu_run.sh's window-clusters, ab-tests, ab-sanitize and tail-tests targets, built here (no GPU) for
 sm_90a / 132 SMs into $FLINTGEN_CACHE_DIR, with their entries listed in prebuilt.txt (to carry them alone):
 
     FLINTGEN_CACHE_DIR=$PWD/.aotcache-t python tools/prebuild_gpu_tests.py
@@ -16,7 +16,7 @@ sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
 
 
 def plan():
-    """{variant name: (kernel def, spec, variant)} of the three targets' tests."""
+    """{variant name: (kernel def, spec, variant)} of the four targets' tests."""
     import test_decode_attention_fp8 as fp8
     import test_decode_attention_grid as grid
     import test_qkv
@@ -45,13 +45,26 @@ def plan():
             for tile in token_tiles(max_tokens):
                 for debug in (False, True):
                     add(qkv, spec, qkv.variant(spec, config=cfg, max_m=tile, target=t, debug=debug))
-    for name in ("bf16_4096", "flint_bf16"):          # graph replay / back to back [tma], and their warmup
+    for name in ("bf16_4096", "flint_bf16"):          # graph replay / back to back [tma] / [tail], and their warmup
         spec = stream._spec(name)
         for tile in TOKEN_TILES:
-            add(qkv, spec, qkv.variant(spec, config=stream.KINDS["tma"], max_m=tile, target=t))
+            for kind in ("tma", "tail"):
+                add(qkv, spec, qkv.variant(spec, config=stream.KINDS[kind], max_m=tile, target=t))
             add(qkv, spec, qkv.variant(spec, max_m=tile, target=t))
         for v in rms.variants(spec, t):
             add(rms, spec, v)
+    # tail-tests: two phases (test_stream_finish_numerics' and the fp8 test's tail configs; Case.run: debug too)
+    for name, _, cfg in stream.FINISH_CASES + stream.FP8:
+        if cfg.tail_heads:
+            specs = [stream._spec(name)]
+            if (name, cfg) in {(n, c) for n, _, c in stream.FP8}:
+                specs.append(specs[0].replace(kv_cache_dtype="fp8_e4m3"))
+            for spec in specs:
+                for tile in TOKEN_TILES:
+                    for debug in (False, True):
+                        add(qkv, spec, qkv.variant(spec, config=cfg, max_m=tile, target=t, debug=debug))
+                for v in rms.variants(spec, t):
+                    add(rms, spec, v)
     for name, cfg, m in test_qkv.OTHER_CONFIGS:       # the cluster design with L2 prefetch (Case.run: debug)
         if cfg.l2_prefetch:
             spec = test_qkv.SPECS[name]

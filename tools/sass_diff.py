@@ -12,7 +12,9 @@ that runs), and the PTX. For refactors that must not change the device code.
 variant of every preset (``flintgen build --preset X --arch sm_90a
 --num-sms 132`` for each); ``extended`` adds shapes no preset has (GQA 4 /
 16 at head_dim 64 and 128, pages of 32 / 64, one kv head per rank, the
-several-CTA merges) and the QKV debug binaries.
+several-CTA merges) and the QKV debug binaries; ``stream`` is the streaming
+QKV design's binaries alone (max_tokens 64: its tiles, launch options and
+debug binaries; ``_stream_plan``).
 
 ``compare`` pairs cache entries by variant name (entry directories are
 ``<variant name>-<key16>``). The cache key hash is part of the kernel's
@@ -64,12 +66,46 @@ def _extended_specs():
     ]
 
 
+def _stream_plan(target):
+    """The streaming QKV design's binaries (``--set stream``): the op's tiles of 16-64 tokens and their debug
+    binaries for flint BF16 (hidden 2048), hidden 4096 32/8, an e4m3 cache, head_dim 64 / 96, and the launch
+    options no tile selects (register path, TMA ring, L2 prefetch, spread finish at 16 tokens)."""
+    from flintgen.configs.qkv_stream_plan import StreamConfig
+    from flintgen.kernels import KERNELS
+    from flintgen.presets import FLINT, GPT_OSS_20B
+
+    bf16 = FLINT.replace(name="flint-bf16-64", weight_format="bf16", max_tokens=64)
+    specs = [bf16, bf16.replace(name="h4096-64", hidden_size=4096, num_kv_heads=8, sliding_window=None,
+                                layer_types=("full",), sinks=False),
+             bf16.replace(name="flint-bf16-64-fp8", kv_cache_dtype="fp8_e4m3"),
+             GPT_OSS_20B.replace(name="gpt-oss-bf16-64", weight_format="bf16", max_tokens=64),
+             bf16.replace(name="flint-d96-64", head_dim=96)]
+    configs = [None, StreamConfig(prefetch=2), StreamConfig(stages=8, wgmma=True, tma=True),
+               StreamConfig(stages=6, wgmma=True, l2_prefetch=8), StreamConfig(stages=8, wgmma=True, finish_tokens=16)]
+    kdef = KERNELS["qkv"]
+    plan, seen = [], set()
+    for spec in specs:
+        for cfg in configs:
+            for tile in (16, 32, 64):
+                for debug in (False, True):
+                    try:
+                        v = kdef.variant(spec, debug=debug, config=cfg, max_m=tile, target=target)
+                    except ValueError:   # an option the shape does not take (wgmma at head_dim 96)
+                        continue
+                    if dict(v.params).get("design") == "stream" and v.name not in seen:
+                        seen.add(v.name)
+                        plan.append((spec, kdef, v))
+    return plan
+
+
 def _plan(which: str):
     from flintgen.kernels import KERNELS
     from flintgen.kernels.base import Target
     from flintgen.presets import PRESETS
 
     target = Target(ARCH, NUM_SMS)
+    if which == "stream":
+        return _stream_plan(target), target
     specs = [PRESETS[n] for n in sorted(PRESETS)]
     if which == "extended":
         specs += _extended_specs()
@@ -100,7 +136,7 @@ def build(out: str, which: str, only: str | None = None) -> int:
     print(f"building {len(plan)} variants ({which}) for {target.arch} x {target.num_sms} SMs into {root}")
     failed = 0
     for i, (spec, kdef, v) in enumerate(plan, 1):
-        entry = cache.make_entry(v, kdef.template, dict(kdef.render_params(spec, v)), target, root)
+        entry = cache.make_entry(v, kdef.template_of(v), dict(kdef.render_params(spec, v)), target, root)
         try:
             outcome = cache.get_or_build(entry)
             print(f"[{i}/{len(plan)}] {'hit ' if outcome.hit else 'miss'} {v.name}", flush=True)
@@ -212,7 +248,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="compile every variant into a scratch cache")
     b.add_argument("out")
-    b.add_argument("--set", choices=("presets", "extended"), default="presets")
+    b.add_argument("--set", choices=("presets", "extended", "stream"), default="presets")
     b.add_argument("--only", default=None, help="only variants whose name matches this regex")
     c = sub.add_parser("compare", help="compare two scratch caches variant by variant")
     c.add_argument("base")

@@ -17,11 +17,20 @@ block of c)``; a per-head counter counts the units that arrived, and the CTA
 that completes a head sums the head's partials in CTA order (= K order:
 deterministic) and runs the per-head epilogue.
 
+With ``tail_heads`` > 0 the units come in two *phases*: the first heads'
+blocks, then the last ``tail_heads`` heads' blocks, each phase cut into
+``grid`` equal ranges as above (CTA c streams its range of phase 0, then its
+range of phase 1, one ring across both). A phase-0 head completes when every
+CTA has streamed its phase-0 range, mid-kernel: CTAs finish phase-0 slices
+(below) while their ring's copies of phase-1 units are in flight, and only
+the tail heads are finished on the kernel's tail.
+
 With ``finish_tokens`` > 0 the finish is spread instead: a head's tokens are
 cut into ``finish_slices`` slices of ``finish_tokens`` tokens (whole 8-token
 n-tiles), slice ``s = head * finish_slices + j`` (of ``finish_total``)
 belongs to CTA ``s * grid // finish_total`` (one of the head's contributors
-or a neighbour), and every CTA, after publishing its whole range, waits for
+or a neighbour; per phase: a phase's slices over the whole grid), and every
+CTA, after publishing its whole range (of the phase), waits for
 the heads of its slices to complete (their counters) and finishes those
 tokens only: merge (same CTA order) and epilogue. The grid is what the SMs
 hold at once and a CTA waits only after publishing everything, so the waits
@@ -95,7 +104,10 @@ class StreamConfig:
     ring then keeps the prefetch that many units ahead of its copies) and
     ``tma`` (the wgmma ring filled by TMA: one tensor copy per operand and
     unit, issued by one lane, each stage's arrival counted on an mbarrier;
-    tokens >= M zero-filled by the copy)."""
+    tokens >= M zero-filled by the copy) and ``tail_heads`` (> 0: the units in
+    two phases, the last ``tail_heads`` heads second, so that the first
+    phase's heads are finished while the second streams; needs
+    ``finish_tokens``, the cp.async ring without TMA or L2 prefetch)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -105,13 +117,14 @@ class StreamConfig:
     finish_tokens: int = 0
     l2_prefetch: int = 0
     tma: bool = False
+    tail_heads: int = 0
 
     def __post_init__(self) -> None:
-        StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
-                   warp_tiles=self.warp_tiles, prefetch=self.prefetch,
+        StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=self.tail_heads + 1, ctas=1, max_m=8,
+                   stages=self.stages, warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
-                   tma=self.tma)  # range checks
+                   tma=self.tma, tail_heads=self.tail_heads)  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -179,6 +192,7 @@ class StreamPlan:
     finish_tokens: int = 0   # > 0: completed heads finished in slices of this many tokens by several CTAs
     l2_prefetch: int = 0     # units of a range prefetched into L2 before the grid-dependency wait
     tma: bool = False        # the wgmma ring filled by TMA tensor copies (an mbarrier per stage)
+    tail_heads: int = 0      # > 0: the units in two phases, these last heads second
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -225,6 +239,20 @@ class StreamPlan:
         if self.tma and not self.wgmma:
             raise ValueError(f"StreamPlan: tma = True writes the 128-byte swizzled stages of the wgmma ring: "
                              f"wgmma = {self.wgmma} must be True (and prefetch = {self.prefetch} 0)")
+        if not 0 <= self.tail_heads < self.heads:
+            raise ValueError(f"StreamPlan: tail_heads = {self.tail_heads} must be 0 (one phase) or 1..{self.heads - 1} "
+                             f"(of the {self.heads} heads, finished after the others)")
+        if self.tail_heads and (not self.finish_tokens or self.prefetch or self.tma or self.l2_prefetch):
+            raise ValueError(f"StreamPlan: tail_heads = {self.tail_heads} (two phases) finishes heads in slices on "
+                             f"the cp.async ring: it needs finish_tokens > 0 (got {self.finish_tokens}), prefetch = 0 "
+                             f"(got {self.prefetch}), tma = False (got {self.tma}) and l2_prefetch = 0 "
+                             f"(got {self.l2_prefetch})")
+        if self.tail_heads and min(map(self.phase_units, range(self.phases))) < self.grid:
+            per_head = self.head_units
+            raise ValueError(f"StreamPlan: tail_heads = {self.tail_heads} leaves a phase of "
+                             f"{min(map(self.phase_units, range(self.phases)))} units, fewer than the {self.grid} CTAs "
+                             f"(every CTA streams a range of each phase): use {-(-self.grid // per_head)}.."
+                             f"{self.heads - -(-self.grid // per_head)} tail heads of {per_head} units")
         if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
@@ -276,45 +304,94 @@ class StreamPlan:
     def grid(self) -> int:
         return min(self.ctas * self.ctas_per_sm, self.units)
 
-    def lo(self, c: int) -> int:
-        """First unit of CTA ``c`` (``lo(grid) = units``)."""
-        return c * self.units // self.grid
+    # ------------------------------------------------------------ phases and ranges
+    @property
+    def phase_heads(self) -> tuple[tuple[int, int], ...]:
+        """Each phase's heads [first, end): all of them, or (``tail_heads``) the others, then the tail."""
+        if not self.tail_heads:
+            return ((0, self.heads),)
+        cut = self.heads - self.tail_heads
+        return ((0, cut), (cut, self.heads))
+
+    @property
+    def phases(self) -> int:
+        return len(self.phase_heads)
+
+    def phase_offset(self, p: int) -> int:
+        """First unit of phase ``p``."""
+        return self.phase_heads[p][0] * self.head_units
+
+    def phase_units(self, p: int) -> int:
+        h0, h1 = self.phase_heads[p]
+        return (h1 - h0) * self.head_units
+
+    def phase_of_block(self, block: int) -> int:
+        return next(p for p, (h0, h1) in enumerate(self.phase_heads) if block < h1 * self.blocks_per_head)
+
+    def lo(self, c: int, p: int = 0) -> int:
+        """First unit of CTA ``c``'s range of phase ``p`` (``lo(grid, p)`` = the phase's end)."""
+        return self.phase_offset(p) + c * self.phase_units(p) // self.grid
 
     def cta_of_unit(self, u: int) -> int:
-        """The CTA whose range holds unit ``u``: the largest c with lo(c) <= u."""
-        return ((u + 1) * self.grid - 1) // self.units
+        """The CTA whose range holds unit ``u``: the largest c with lo(c, phase of u) <= u."""
+        p = self.phase_of_block(u // self.steps)
+        return ((u - self.phase_offset(p) + 1) * self.grid - 1) // self.phase_units(p)
+
+    def phase_max_units(self, p: int) -> int:
+        """Units of the longest range of phase ``p``."""
+        return -(-self.phase_units(p) // self.grid)
 
     @property
     def max_units(self) -> int:
-        """Units of the longest range."""
-        return -(-self.units // self.grid)
+        """Units of the longest range (all phases)."""
+        return max(-(-self.units // self.grid), sum(self.phase_max_units(p) for p in range(self.phases)))
+
+    def phase_segments(self, p: int) -> int:
+        """Blocks a range of phase ``p`` can touch, at most."""
+        n = self.phase_max_units(p)
+        return (n + self.steps - 2) // self.steps + 1 if n else 0
 
     @property
     def max_segments(self) -> int:
-        """Blocks a range of ``max_units`` consecutive units can touch."""
-        return (self.max_units + self.steps - 2) // self.steps + 1
+        """Blocks one range of one phase can touch, at most."""
+        return max(self.phase_segments(p) for p in range(self.phases))
+
+    def segment_offset(self, p: int) -> int:
+        """A CTA's first workspace slot of phase ``p`` (after its own slots of the earlier phases)."""
+        return sum(self.phase_segments(q) for q in range(p))
+
+    @property
+    def slots_per_cta(self) -> int:
+        return self.segment_offset(self.phases)
 
     def segments(self, c: int) -> list[tuple[int, int, int]]:
-        """CTA ``c``'s (block, first unit, end unit) segments, in order."""
-        lo, hi = self.lo(c), self.lo(c + 1)
+        """CTA ``c``'s (block, first unit, end unit) segments, in order (phase 0's, then phase 1's)."""
         out = []
-        for b in range(lo // self.steps, (hi - 1) // self.steps + 1):
-            out.append((b, max(lo, b * self.steps), min(hi, (b + 1) * self.steps)))
+        for p in range(self.phases):
+            lo, hi = self.lo(c, p), self.lo(c + 1, p)
+            for b in range(lo // self.steps, (hi - 1) // self.steps + 1) if hi > lo else ():
+                out.append((b, max(lo, b * self.steps), min(hi, (b + 1) * self.steps)))
         return out
 
     def slot(self, c: int, block: int) -> int:
         """Workspace slot of CTA ``c``'s segment of ``block``."""
-        return c * self.max_segments + block - self.lo(c) // self.steps
+        p = self.phase_of_block(block)
+        return c * self.slots_per_cta + self.segment_offset(p) + block - self.lo(c, p) // self.steps
+
+    def contributors(self, block: int) -> tuple[int, int]:
+        """First and last CTA whose ranges share ``block`` (the template's closed form)."""
+        p = self.phase_of_block(block)
+        local, units = block * self.steps - self.phase_offset(p), self.phase_units(p)
+        return ((local + 1) * self.grid - 1) // units, ((local + self.steps) * self.grid - 1) // units
 
     @property
     def max_contributors(self) -> int:
         """CTAs whose ranges share one block, at most (the merge's unrolled loads)."""
-        return max(self.cta_of_unit(b * self.steps + self.steps - 1) - self.cta_of_unit(b * self.steps) + 1
-                   for b in range(self.blocks))
+        return max(last - first + 1 for first, last in map(self.contributors, range(self.blocks)))
 
     @property
     def slots(self) -> int:
-        return self.grid * self.max_segments
+        return self.grid * self.slots_per_cta
 
     @property
     def workspace_floats(self) -> int:
@@ -337,14 +414,24 @@ class StreamPlan:
         """Slices of every head (``finish_tokens`` > 0); slice ``s`` is head ``s // finish_slices``'s."""
         return self.heads * self.finish_slices
 
+    def phase_slices(self, p: int) -> int:
+        """Slices of phase ``p``'s heads: its slice ``s`` is head ``phase_heads[p][0] + s // finish_slices``'s."""
+        h0, h1 = self.phase_heads[p]
+        return (h1 - h0) * self.finish_slices
+
     def finisher(self, s: int) -> int:
-        """The CTA that finishes slice ``s``."""
-        return s * self.grid // self.finish_total
+        """The CTA that finishes slice ``s`` (of every head): a phase's slices spread over the grid."""
+        p = self.phase_of_block(s // self.finish_slices * self.blocks_per_head)
+        return (s - self.phase_heads[p][0] * self.finish_slices) * self.grid // self.phase_slices(p)
+
+    def phase_owned(self, p: int) -> int:
+        """Slices of phase ``p`` one CTA finishes, at most."""
+        return -(-self.phase_slices(p) // self.grid) if self.finish_tokens else 0
 
     @property
     def max_owned(self) -> int:
-        """Slices one CTA finishes, at most."""
-        return -(-self.finish_total // self.grid) if self.finish_tokens else 0
+        """Slices one CTA finishes, at most (all phases)."""
+        return sum(self.phase_owned(p) for p in range(self.phases))
 
     # ------------------------------------------------------------ merging a head
     @property

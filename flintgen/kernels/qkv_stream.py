@@ -78,7 +78,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
-                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False))
+                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), tail_heads=p.get("tail_heads", 0))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -92,7 +92,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
-                          ("l2_prefetch", 0), ("tma", False)):
+                          ("l2_prefetch", 0), ("tma", False), ("tail_heads", 0)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     if cfg.finish_tokens:
@@ -113,6 +113,13 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "max_m": p["max_m"], "block_rows": plan.block_rows, "warps": plan.warps, "warp_tiles": plan.warp_tiles,
         "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
+        "phases": plan.phases, "phase_head0": tuple(h0 for h0, _ in plan.phase_heads),
+        "phase_offset": tuple(map(plan.phase_offset, range(plan.phases))),
+        "phase_units": tuple(map(plan.phase_units, range(plan.phases))),
+        "phase_segments": tuple(map(plan.phase_segments, range(plan.phases))),
+        "segment_offset": tuple(map(plan.segment_offset, range(plan.phases))), "slots_per_cta": plan.slots_per_cta,
+        "phase_slices": tuple(map(plan.phase_slices, range(plan.phases))),
+        "phase_owned": tuple(map(plan.phase_owned, range(plan.phases))),
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
         "lookahead": 0 if plan.prefetch else plan.lookahead,
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
