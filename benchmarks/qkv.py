@@ -108,6 +108,8 @@ class Layers:
         if self.cs is not None:
             args += [self.cs, self.pos]
         args += [self.slots, self.q, self.k, self.v]
+        if self.kv_kw:      # an e4m3 cache: the layer's k_scale / v_scale tensors
+            args += [self.kv_kw["k_scale"], self.kv_kw["v_scale"]]
         if self.qn is not None:
             args.append(1e-6)
         return args
