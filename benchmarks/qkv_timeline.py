@@ -108,7 +108,7 @@ PATCHES = {
         (f"{I8}cute.arch.griddepcontrol_wait()\n", f"{I8}cute.arch.griddepcontrol_wait()\n" + _clk_at(I8, 2), 1),
         (f"{I12}if cutlass.const_expr(FINISH_SLICES > 0):\n{I12}    self.finish_phase(",     # the last phase's finish
          _clk_at(I12, 3) + f"{I12}if cutlass.const_expr(FINISH_SLICES > 0):\n{I12}    self.finish_phase(", 1),
-        ("\n\n    def store_partials(", "\n" + _exit(I8) + "\n    def store_partials(", 1),
+        ("\n\n    @cute.jit\n    def finish_phase(", "\n" + _exit(I8) + "\n    @cute.jit\n    def finish_phase(", 1),
     ],
 }
 

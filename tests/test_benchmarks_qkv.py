@@ -77,6 +77,11 @@ def test_timeline_patches_apply():
             assert src.count("_gt(st_row)") == 1 and src.count("st_row = stamps.iterator.toint()") == 1
             sigs = src.count("slot_mapping: cute.Tensor") or src.count("        weight: cute.Tensor,\n")
             assert src.count("stamps: cute.Tensor") == sigs, (label, var.name)
+            # every stamp inside the kernel's body (where st_row is), not in a method after it
+            body = src[src.index("    def kernel("):]
+            body = body[:min(i for i in (body.find("\n    def ", 1), body.find("\n    @cute.jit", 1),
+                                         body.find("\ndef ", 1)) if i > 0)]
+            assert body.count("st_row") == src.count("st_row"), (label, var.name)
             seen.add(tl.kind_of(kdef, var))
     assert seen == {"rms_norm", "cluster", "stream"}
 
