@@ -221,7 +221,7 @@ def main():
     import torch
 
     from benchmarks.decode_attention_sweep import _case
-    from benchmarks.harness import time_graph
+    from benchmarks.harness import time_graph, write_report
 
     target = toolchain.resolve_target()
     stored = os.path.join(cache.default_root(), "timeline_sources.json")
@@ -259,11 +259,7 @@ def main():
             "per SM (last call) |")
     text = ("# decode_attention_timeline\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\n" + head + "\n"
             + "|" + "---|" * (head.count("|") - 1) + "\n" + "\n".join(lines) + "\n")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "decode_attention_timeline.md"), "w") as f:
-            f.write(text)
-    print(text)
+    write_report("decode_attention_timeline", text)
 
 
 def stamp(case, spec, fn, fp8, b, w, ref, label, n_calls=20):
@@ -271,7 +267,7 @@ def stamp(case, spec, fn, fp8, b, w, ref, label, n_calls=20):
     cache 0), then n_calls calls captured in one graph and replayed; returns (µs per call, analyse())."""
     import torch
 
-    from benchmarks.harness import elapsed_s
+    from benchmarks.harness import replay_calls
     from flintgen.kernels.decode_attention import launch_scalars
 
     kvs = [k.view(torch.float8_e4m3fn) for k in case.kv8s] if fp8 else case.kvs
@@ -290,21 +286,8 @@ def stamp(case, spec, fn, fp8, b, w, ref, label, n_calls=20):
     torch.cuda.synchronize()
     if not torch.equal(ref, case.out):
         raise SystemExit(f"timeline: {label}: the stamped kernel's output differs from the op's")
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(n_calls):
-            call(i)
-        with torch.cuda.graph(g, stream=s):
-            for i in range(n_calls):
-                call(i)
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    res = analyse(bufs)
-    return sorted(elapsed_s(g.replay) for _ in range(50))[25] * 1e6 / n_calls, res
+    us = replay_calls(call, n_calls)
+    return us, analyse(bufs)
 
 
 if __name__ == "__main__":

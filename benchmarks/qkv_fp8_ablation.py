@@ -294,7 +294,7 @@ def main() -> None:
         return
     import torch
 
-    from benchmarks.harness import commit, device_info, time_graph
+    from benchmarks.harness import commit, device_info, time_graph, write_report
 
     runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else RUNS
     dev, res = torch.device("cuda"), {}
@@ -331,11 +331,7 @@ def main() -> None:
                 print(f"{spec.name} M={m} run {r + 1}: " + ", ".join(
                     f"{t} {res[spec.name, m, 'step', t]['us'][-1]:.2f}" for t, *_ in cases), flush=True)
     md = report(res, {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), **device_info()})
-    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "qkv_fp8_ablation.md"), "w") as f:
-        f.write(md)
-    print(md)
+    write_report("qkv_fp8_ablation", md, os.path.join(os.path.dirname(__file__), "results"))
 
 
 def report(res, meta) -> str:

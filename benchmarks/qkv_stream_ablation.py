@@ -105,7 +105,7 @@ def main():
         return
     import torch
 
-    from benchmarks.harness import time_graph
+    from benchmarks.harness import time_graph, write_report
     from benchmarks.qkv import Layers, copies_for, make_weights, weight_bytes
     from flintgen.kernels.qkv import QKVOp
 
@@ -131,11 +131,7 @@ def main():
         torch.cuda.synchronize()
     text = ("# qkv_stream_ablation\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\nRead bandwidth "
             f"{bw / 1e12:.2f} TB/s.\n\n" + "\n".join(lines) + "\n")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "qkv_stream_ablation.md"), "w") as f:
-            f.write(text)
-    print(text)
+    write_report("qkv_stream_ablation", text)
 
 
 if __name__ == "__main__":

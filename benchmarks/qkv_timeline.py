@@ -272,33 +272,11 @@ def _with_stamps(args, slots, stamps):
     return args[:i] + [stamps] + args[i:]
 
 
-def _replay(calls, n_calls=CALLS):
-    """``calls(i)`` for i < n_calls captured in one graph (after an eager pass) and replayed; µs per call."""
-    import torch
-
-    from benchmarks.harness import elapsed_s
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        for i in range(n_calls):
-            calls(i)
-        with torch.cuda.graph(g, stream=s):
-            for i in range(n_calls):
-                calls(i)
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    return sorted(elapsed_s(g.replay) for _ in range(50))[25] * 1e6 / n_calls
-
-
 def run_row(label, spec, m, cfg, weights, target):
     """The row's table lines (step chain, GEMV chain): the op's own timing, then the stamped binaries'."""
     import torch
 
-    from benchmarks.harness import time_graph
+    from benchmarks.harness import replay_calls, time_graph
     from benchmarks.qkv import Layers
     from flintgen.kernels.qkv import QKVOp
     from flintgen.runtime import load_variant
@@ -350,7 +328,7 @@ def run_row(label, spec, m, cfg, weights, target):
     for chain, calls, rb, us in (("step", step_call, r_bufs, op_us[0]), ("GEMV", qkv_call, None, op_us[1])):
         for b in q_bufs + r_bufs:
             b.zero_()
-        stamped = _replay(calls)
+        stamped = replay_calls(calls, CALLS)
         s = _summary(analyse(q_bufs, rb))
         r = " / ".join(f"{x:+.2f}" for x in s["r"]) if rb else "-"
         lines.append(f"| {label} | {chain} | {us:.2f} | {stamped:.2f} | {r} | "
@@ -374,7 +352,7 @@ HEAD = ("| row | chain | op µs per call (graph median, unstamped) | stamped µs
 def main():
     if "--prebuild" in sys.argv:
         return prebuild(sys.argv[sys.argv.index("--prebuild") + 1])
-    from benchmarks.harness import commit, device_info
+    from benchmarks.harness import commit, device_info, write_report
     from benchmarks.qkv import copies_for, make_weights
 
     target = toolchain.resolve_target()
@@ -389,11 +367,7 @@ def main():
             + f"{when} · {info['device']} ({info['sms']} SMs) · torch {info['torch']} · commit {commit()}\n\n"
             + "Times in µs after the previous call's last QKV exit; medians over 19 calls.\n\n"
             + HEAD + "\n|" + "---|" * (HEAD.count("|") - 1) + "\n" + "\n".join(lines) + "\n")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "qkv_timeline.md"), "w") as f:
-            f.write(text)
-    print(text)
+    write_report("qkv_timeline", text)
 
 
 if __name__ == "__main__":

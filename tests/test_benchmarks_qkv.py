@@ -127,3 +127,17 @@ def test_timeline_analyse_places_phases():
     assert res["q_finish_phase"] == pytest.approx(1.0)
     assert res["ctas_per_sm"] == (0, 2)
     assert res["q_waited_after_r"] == pytest.approx((14_000 - 13_600) / 1e3)   # median wait 14_000 (lower)
+
+
+def test_write_report_goes_to_out_or_fallback(tmp_path, monkeypatch, capsys):
+    from benchmarks.harness import write_report
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    write_report("r1", "# r1\n", fallback_dir=str(tmp_path / "fb"))
+    assert (tmp_path / "out" / "r1.md").read_text() == "# r1\n" and not (tmp_path / "fb").exists()
+    monkeypatch.delenv("OUT")
+    write_report("r2", "# r2\n", fallback_dir=str(tmp_path / "fb"))
+    assert (tmp_path / "fb" / "r2.md").read_text() == "# r2\n"
+    write_report("r3", "# r3\n")      # neither: printed only
+    assert not list(tmp_path.rglob("r3.md")) and "# r3" in capsys.readouterr().out
