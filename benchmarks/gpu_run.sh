@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_run.sh stream-tail      # the op's QKV step at M = 16 / 32 / 64 against two phases
 #                                               # (h: tail heads streamed second, f8: 8-token finishing slices)
 #   bash benchmarks/gpu_run.sh tail-tests       # the GPU tests of two phases, then compute-sanitizer over two
+#   bash benchmarks/gpu_run.sh stream-shapes    # hidden 1024..8192 BF16 (qkv_shapes' models): the op's design per
+#                                               # token tile against the wgmma ring of 8 stages at M = 1, 8, 64
 #   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
 #   bash benchmarks/gpu_run.sh window-clusters  # the short-window cluster band's GPU tests (bf16, fp8), then
 #                                               # compute-sanitizer's four tools over its first shape
@@ -84,6 +86,8 @@ for what in "$@"; do
                rc=$((rc || PIPESTATUS[0])) ;;
         stream-tail) python3 -m benchmarks.qkv --stream --ms 16,32,64 --no-fill --configs s6gf8,s6gf8h8,s6gf8h12,s6gf8h16 \
                2>&1 | tee "$OUT/qkv_stream_tail.log" | tail -40 ;;
+        stream-shapes) python3 -m benchmarks.qkv --stream --shapes --ms 1,8,64 --no-fill --configs s8g \
+               2>&1 | tee "$OUT/qkv_stream_shapes.log" | tail -30 ;;
         tail-tests) S=tests/test_qkv_stream.py
                python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx $S -k "f8gh or f8h or h20 or tail" 2>&1 \
                    | tee "$OUT/tail_tests.log" | tail -15

@@ -27,7 +27,9 @@ the same step writing the bf16 cache, same weights and inputs.
 ``--stream`` (issue 18, results/qkv_stream.md): the BF16 specs of ``--tokens`` at
 every M, the streaming design (persistent split-K grid, cp.async ring;
 flintgen.kernels.qkv_stream) against the cluster design and the torch path,
-the GEMV alone and the whole step; ``--configs w2,s6`` adds streaming configs (tiles per warp, ring depth).
+the GEMV alone and the whole step; ``--configs w2,s6`` adds streaming configs (tiles per warp, ring depth);
+with ``--shapes`` the BF16 shapes of ``--shapes`` instead (results/qkv_stream_shapes.md: which design the
+8-token tile of hidden 1024..8192 should run, ``--ms 1,8 --configs s8g``).
 
 ``--sweep`` also times alternative launch configurations of both specs
 (``sweep_configs``), each as the GEMV alone and as the whole step
@@ -275,11 +277,15 @@ def stream_configs():
 def mode_plan():
     """The table of the mode in sys.argv: ([(spec, token counts)], results name)."""
     if "--stream" in sys.argv:
+        # --shapes: the BF16 shapes of --shapes (hidden 1024..8192) instead of flint-bf16 and hidden 4096
+        specs = ([(s.replace(max_tokens=64), TOKEN_COUNTS) for s, _ in report_specs()] if "--shapes" in sys.argv
+                 else token_specs())
+        name = "qkv_stream_shapes" if "--shapes" in sys.argv else "qkv_stream"
         if "--ms" in sys.argv:   # these token counts only, on specs whose max_tokens is their largest tile
             ms = tuple(int(m) for m in sys.argv[sys.argv.index("--ms") + 1].split(","))
-            return [(s.replace(max_tokens=token_tile(max(ms))), ms) for s, _ in token_specs()
-                    if s.weight_format == "bf16"], "qkv_stream"
-        return [(s, ms) for s, ms in token_specs() if s.weight_format == "bf16"], "qkv_stream"
+            return [(s.replace(max_tokens=token_tile(max(ms))), ms) for s, _ in specs
+                    if s.weight_format == "bf16"], name
+        return [(s, ms) for s, ms in specs if s.weight_format == "bf16"], name
     if "--shapes" in sys.argv:
         return report_specs(), "qkv_shapes"
     if "--tokens" in sys.argv:
@@ -390,7 +396,7 @@ def stream_main():
                                 {"p10_us": alone["p10_us"], "p90_us": alone["p90_us"], "variant": v.name}))
                 print(spec.name, m, label, f"step {whole['median_us']:.2f} us, GEMV {alone['median_us']:.2f} us "
                       f"({rows[-1].pct_of_floor:.0f}% of floor)", flush=True)
-    print(write_results("qkv_stream", rows, bw, "BF16 weights rotate over copies exceeding L2. Floor: weight "
+    print(write_results(mode_plan()[1], rows, bw, "BF16 weights rotate over copies exceeding L2. Floor: weight "
                         "(+ activation) bytes / read bandwidth. Designs: production = what the op picks per token tile "
                         "(qkv_stream_plan.stream_config: the cluster design, register prefetch with a cluster per head, "
                         "at M <= 8; from 16 tokens the streaming design's ring with wgmma, 8 stages at 16 / 32 tokens, "

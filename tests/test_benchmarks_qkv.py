@@ -141,3 +141,17 @@ def test_write_report_goes_to_out_or_fallback(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "fb" / "r2.md").read_text() == "# r2\n"
     write_report("r3", "# r3\n")      # neither: printed only
     assert not list(tmp_path.rglob("r3.md")) and "# r3" in capsys.readouterr().out
+
+
+def test_stream_shapes_mode(monkeypatch):
+    """--stream --shapes: the BF16 models of --shapes (hidden 1024..8192), max_tokens the largest tile of --ms,
+    into their own results file; every label's variant builds at each tile."""
+    monkeypatch.setattr(sys, "argv", ["qkv", "--stream", "--shapes", "--ms", "1,8,64", "--no-fill", "--configs", "s8g"])
+    plan, name = bq.mode_plan()
+    assert name == "qkv_stream_shapes"
+    assert [(s.hidden_size, s.weight_format, s.max_tokens, ms) for s, ms in plan] == [
+        (h, "bf16", 64, (1, 8, 64)) for h in (1024, 3584, 5120, 8192)]
+    for s, _ in plan:
+        for label, cfg, kd in bq.stream_configs():
+            for t in token_tiles(s.max_tokens):
+                assert kd.variant(s, config=cfg, max_m=t, target=SM90).name, (label, s.name, t)
