@@ -344,12 +344,11 @@ class StreamPlan:
     @property
     def max_units(self) -> int:
         """Units of the longest range (all phases)."""
-        return max(-(-self.units // self.grid), sum(self.phase_max_units(p) for p in range(self.phases)))
+        return sum(self.phase_max_units(p) for p in range(self.phases))
 
     def phase_segments(self, p: int) -> int:
         """Blocks a range of phase ``p`` can touch, at most."""
-        n = self.phase_max_units(p)
-        return (n + self.steps - 2) // self.steps + 1 if n else 0
+        return (self.phase_max_units(p) + self.steps - 2) // self.steps + 1
 
     @property
     def max_segments(self) -> int:
