@@ -24,6 +24,11 @@
 #   bash benchmarks/gpu_run.sh stream-shapes    # hidden 1024..8192 BF16 (qkv_shapes' models): the op's design per
 #                                               # token tile against the wgmma ring of 8 stages at M = 1, 8, 64
 #   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
+#   bash benchmarks/gpu_run.sh tile8-tests      # the 8-token tile's streaming rule (hidden >= 3584): test_qkv's
+#                                               # numerics of those specs, graph replay per token tile
+#   bash benchmarks/gpu_run.sh qkv-fp8-tests    # every fp8 QKV GPU test (both designs)
+#   bash benchmarks/gpu_run.sh tile8-sanitize   # compute-sanitizer's four tools over an 8-token ring (bf16, fp8)
+#                                               # and the cluster design's fp8 write
 #   bash benchmarks/gpu_run.sh window-clusters  # the short-window cluster band's GPU tests (bf16, fp8), then
 #                                               # compute-sanitizer's four tools over its first shape
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep (best of 3)
@@ -94,10 +99,21 @@ for what in "$@"; do
                rc=$((rc || PIPESTATUS[0]))
                sanitize_stream tail_sanitize "finish_numerics and (flint_bf16-M33-f8gh10 or d96_r24-M57-f8h12)" ;;
         ab-sanitize) sanitize_stream ab_sanitize "other_configs and (s8w1gt-M1 or s6w1gtf32l8-M64 or s8w1gl8-M1)" ;;
+        tile8-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv.py tests/test_qkv_tokens.py \
+                   -k "(test_numerics and not other_launch and (bf16_4096 or glm4 or h16384_bf16)) or graph_replay_per_token_tile" \
+                   2>&1 | tee "$OUT/tile8_tests.log" | tail -8
+               rc=$((rc || PIPESTATUS[0])) ;;
+        qkv-fp8-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_fp8.py \
+                   tests/test_qkv_stream.py -k "fp8" 2>&1 | tee "$OUT/qkv_fp8_tests.log" | tail -8
+               rc=$((rc || PIPESTATUS[0])) ;;
+        tile8-sanitize) bash tools/sanitize.sh tile8 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_qkv.py \
+                   -k "test_numerics and (bf16_4096-M8 or glm4-M5)"
+               bash tools/sanitize.sh qkv_fp8 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_qkv_fp8.py \
+                   -k "bytes_bit_exact and (flint-M3 or glm4-M5)" ;;
         window-clusters) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_decode_attention_grid.py \
                    tests/test_decode_attention_fp8.py -k "cluster_sizes or two_ctas" 2>&1 | tee "$OUT/window_clusters.log" | tail -5
                rc=$((rc || PIPESTATUS[0]))
-               bash tools/sanitize.sh window_clusters 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
+               bash tools/sanitize.sh window_clusters "${WC_LIMIT:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider \
                    tests/test_decode_attention_grid.py tests/test_decode_attention_fp8.py -k "cluster_sizes and 0" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;

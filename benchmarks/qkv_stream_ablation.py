@@ -58,7 +58,7 @@ def config_of(spec, m):
     """The op's configuration of the tile (64 tokens: spread finish where the heads allow; M = 1: the 64-token
     ring's configuration without it, forced onto the 8-token tile)."""
     heads = spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank
-    return stream_config("bf16", 64, spec.head_dim, heads=heads if m > 8 else 0)
+    return stream_config("bf16", 64, spec.head_dim, hidden=spec.hidden_size, heads=heads if m > 8 else 0)
 
 
 def patched_source(spec, v, tag):

@@ -15,6 +15,8 @@ flintgen.kernels.qkv_stream, templates/qkv_stream.py.j2.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -47,16 +49,23 @@ def test_variant_and_template():
     assert [(v["stages"], v["wgmma"]) for v in KDEF.variants(F64, T132)[1:]] == [(8, True), (8, True), (6, True)]
     d96 = _spec("d96_r24")
     assert not any(dict(v.params).get("wgmma") for v in KDEF.variants(d96, T132))
-    assert sp.stream_config("bf16", 64, 96) == sp.stream_config("bf16", 16, 96) == StreamConfig(stages=6)
-    assert sp.stream_config("bf16", 32, 256) == StreamConfig(stages=8, wgmma=True)
-    assert sp.stream_config("bf16", 64, 64) == StreamConfig(stages=6, wgmma=True)
+    sc = functools.partial(sp.stream_config, hidden=2048)
+    assert sc("bf16", 64, 96) == sc("bf16", 16, 96) == StreamConfig(stages=6)
+    assert sc("bf16", 32, 256) == StreamConfig(stages=8, wgmma=True)
+    assert sc("bf16", 64, 64) == StreamConfig(stages=6, wgmma=True)
     # the 64-token tile finishes heads in two slices of 32 tokens where those fit one per CTA
-    assert sp.stream_config("bf16", 64, 128, 40) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
-    assert sp.stream_config("bf16", 64, 128, 64) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
-    assert sp.stream_config("bf16", 64, 64, 80) == StreamConfig(stages=6, wgmma=True)
-    assert sp.stream_config("bf16", 32, 128, 40) == StreamConfig(stages=8, wgmma=True)
-    assert sp.stream_config("bf16", 64, 96, 40) == StreamConfig(stages=6)
-    assert sp.stream_config("nvfp4", 64, 128) is None and sp.stream_config("bf16", 8, 128) is None
+    assert sc("bf16", 64, 128, heads=40) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
+    assert sc("bf16", 64, 128, heads=64) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
+    assert sc("bf16", 64, 64, heads=80) == StreamConfig(stages=6, wgmma=True)
+    assert sc("bf16", 32, 128, heads=40) == StreamConfig(stages=8, wgmma=True)
+    assert sc("bf16", 64, 96, heads=40) == StreamConfig(stages=6)
+    assert sc("nvfp4", 64, 128) is None and sc("bf16", 8, 128) is None
+    # the 8-token tile streams (wgmma, 8 stages) from hidden 3584 on, for whole-warpgroup blocks only
+    assert sp.stream_config("bf16", 8, 128, hidden=3583) is None
+    for d in (64, 128, 256):
+        assert sp.stream_config("bf16", 8, d, hidden=3584) == StreamConfig(stages=8, wgmma=True)
+    assert sp.stream_config("bf16", 8, 96, hidden=8192) is None
+    assert sp.stream_config("nvfp4", 8, 128, hidden=8192) is None
     assert {dict(v.params).get("design") for v in KDEF.variants(FLINT.replace(max_tokens=64), T132)} == {None}
     p = KDEF.render_params(F64, v)
     assert p["grid"] == 132 and p["stages"] == plan_of(dict(v.params)).ring_stages
@@ -133,21 +142,29 @@ def test_stream_compiles_clean(name, max_m):
 
 
 # what the op runs from 16 tokens (stream_config: 8 wgmma stages at 16 / 32 tokens, 6 at 64) on every compiled
-# shape whose blocks are whole warpgroups, and the 8-token tile with wgmma (a config)
-WGMMA_COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 16), ("bf16_4096", 32), ("bf16_4096", 64),
-                 ("oss_bf16", 32), ("h16384_bf16", 16), ("h16384_bf16", 64), ("glm4", 32), ("phi4_mini", 64),
-                 ("oss_bf16_fp8", 64), ("qwen_896", 16)]
+# shape whose blocks are whole warpgroups, and the 8-token tile: production (8 stages) from hidden 3584, else with
+# wgmma as a config (6 stages)
+WGMMA_COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 8), ("bf16_4096", 16), ("bf16_4096", 32),
+                 ("bf16_4096", 64), ("oss_bf16", 32), ("h16384_bf16", 8), ("h16384_bf16", 16), ("h16384_bf16", 64),
+                 ("glm4", 32), ("glm4_fp8", 8), ("phi4_mini", 64), ("oss_bf16_fp8", 64), ("qwen_896", 16)]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name, max_m", WGMMA_COMPILE, ids=[f"{n}-M{m}" for n, m in WGMMA_COMPILE])
 def test_stream_wgmma_compiles_clean(name, max_m):
-    p, ptx = _compiled(_spec(name), None if max_m >= sp.STREAM_MIN_TOKENS else WGMMA, max_m)
-    assert p["use_wgmma"] is True and p["stages"] == (8 if 8 < max_m <= 32 else 6)
+    spec = _spec(name)
+    production = isinstance(KDEF.config(spec, max_m), StreamConfig)
+    assert production == (max_m >= sp.STREAM_MIN_TOKENS or spec.hidden_size >= sp.STREAM_MIN_HIDDEN_8)
+    p, ptx = _compiled(spec, None if production else WGMMA, max_m)
+    assert p["use_wgmma"] is True and p["stages"] == (8 if production and max_m <= 32 else 6)
     # each segment's unit: 4 k16 steps of m64n{max_m}k16, waited on once; no mma.sync
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == p["max_segments"]
     assert "mma.sync" not in ptx
+    if spec.kv_cache_dtype == "fp8_e4m3":   # k_scale / v_scale loaded before the grid wait, 1 / scale after it
+        wait = ptx.index("griddepcontrol.wait")
+        assert ptx[:wait].count("ld.global.f32") == 2
+        assert ptx.count("rcp.rn.f32") == 2 and ptx.index("rcp.rn.f32") > wait
 
 
 # weights prefetched into L2 before the grid-dependency wait (l2_prefetch): a range's few units kept ahead of the

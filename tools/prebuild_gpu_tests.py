@@ -1,7 +1,13 @@
-"""The binaries of gpu_run.sh's window-clusters, ab-tests, ab-sanitize and tail-tests targets, built here (no GPU) for
-sm_90a / 132 SMs into $FLINTGEN_CACHE_DIR, with their entries listed in prebuilt.txt (to carry them alone):
+"""The binaries of GPU test targets, built here (no GPU) for sm_90a / 132 SMs into $FLINTGEN_CACHE_DIR, with their
+entries listed in prebuilt.txt (to carry them alone):
 
-    FLINTGEN_CACHE_DIR=$PWD/.aotcache-t python tools/prebuild_gpu_tests.py
+    FLINTGEN_CACHE_DIR=$PWD/.aotcache-t python tools/prebuild_gpu_tests.py [PART ...]
+
+PARTs: ``window-clusters``, ``ab-tests`` (also ab-sanitize's), ``tail-tests`` (gpu_run.sh's targets of those names;
+all three when no PART is given) and ``qkv:NAME,NAME..``: what ``flintgen.get_kernel(SPECS[NAME], "qkv")`` loads for
+tests/test_qkv.py's SPECS (the production op's every token tile, with and without debug, and its RMSNorm), for the
+GPU tests of tests/test_qkv.py, test_qkv_tokens.py and test_qkv_fp8.py (a Pair needs NAME and NAME_fp8; NAME_t64,
+where SPECS has no such name, is SPECS[NAME] with max_tokens 64).
 
 (``python tests/test_qkv_stream.py --prebuild DIR`` covers the streaming tests' whole set; the decode tests'
 fixtures build theirs on a GPU machine with the DSL.)
@@ -13,16 +19,17 @@ import os
 import sys
 
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
+PARTS = ("window-clusters", "ab-tests", "tail-tests")
 
 
-def plan():
-    """{variant name: (kernel def, spec, variant)} of the four targets' tests."""
+def plan(parts=PARTS):
+    """{variant name: (kernel def, spec, variant)} of the parts' tests."""
     import test_decode_attention_fp8 as fp8
     import test_decode_attention_grid as grid
     import test_qkv
     import test_qkv_stream as stream
 
-    from flintgen.configs.qkv_config import TOKEN_TILES, token_tiles
+    from flintgen.configs.qkv_config import TOKEN_TILES, token_tile, token_tiles
     from flintgen.kernels import get_def
     from flintgen.kernels.base import Target
 
@@ -33,46 +40,64 @@ def plan():
         todo[v.name] = (kdef, spec, v)
 
     attn, rms, qkv = get_def("decode_attention"), get_def("rms_norm"), stream.KDEF
-    for specs, batches in ((grid.CAP_SPECS, grid.CLUSTER_PLAN + grid.CAP_PLAN),
-                           (fp8.CAP_SPECS, grid.CLUSTER_PLAN + fp8.CAP_PLAN)):
-        for spec in specs:
-            op = attn.bind(spec, t, grid._no_load)
-            for b in batches:
-                add(attn, spec, op._variants[True][b])
-    for cfg, _, max_tokens in stream.CONFIGS:         # ab-tests' and ab-sanitize's -k: ids holding gt or l
-        if "gt" in stream._cfg_id(cfg) or "l" in stream._cfg_id(cfg):
-            spec = stream._ring_spec(max_tokens)[1]
-            for tile in token_tiles(max_tokens):
-                for debug in (False, True):
-                    add(qkv, spec, qkv.variant(spec, config=cfg, max_m=tile, target=t, debug=debug))
-    for name in ("bf16_4096", "flint_bf16"):          # graph replay / back to back [tma] / [tail], and their warmup
-        spec = stream._spec(name)
-        for tile in TOKEN_TILES:
-            for kind in ("tma", "tail"):
-                add(qkv, spec, qkv.variant(spec, config=stream.KINDS[kind], max_m=tile, target=t))
-            add(qkv, spec, qkv.variant(spec, max_m=tile, target=t))
+
+    def add_tiles(spec, tiles, cfg=None, debug=(False, True)):
+        for tile in tiles:
+            for d in debug:
+                add(qkv, spec, qkv.variant(spec, config=cfg, max_m=tile, target=t, debug=d))
+
+    def add_norm(spec):
         for v in rms.variants(spec, t):
             add(rms, spec, v)
-    # tail-tests: two phases (test_stream_finish_numerics' and the fp8 test's tail configs; Case.run: debug too)
-    for name, _, cfg in stream.FINISH_CASES + stream.FP8:
-        if cfg.tail_heads:
-            specs = [stream._spec(name)]
-            if (name, cfg) in {(n, c) for n, _, c in stream.FP8}:
-                specs.append(specs[0].replace(kv_cache_dtype="fp8_e4m3"))
-            for spec in specs:
-                for tile in TOKEN_TILES:
-                    for debug in (False, True):
-                        add(qkv, spec, qkv.variant(spec, config=cfg, max_m=tile, target=t, debug=debug))
-                for v in rms.variants(spec, t):
-                    add(rms, spec, v)
-    for name, cfg, m in test_qkv.OTHER_CONFIGS:       # the cluster design with L2 prefetch (Case.run: debug)
-        if cfg.l2_prefetch:
-            spec = test_qkv.SPECS[name]
-            for tile in (tt for tt in TOKEN_TILES if m <= tt <= 8):
-                for debug in (False, True):
-                    add(qkv, spec, qkv.variant(spec, config=cfg, max_m=tile, target=t, debug=debug))
-            for v in rms.variants(spec, t):
-                add(rms, spec, v)
+
+    for part in parts:
+        if part.startswith("qkv:"):                   # the production op of test_qkv's SPECS
+            for name in part[4:].split(","):   # NAME_t64: SPECS[NAME] with max_tokens 64 (a test's replace)
+                base = name[:-4] if name.endswith("_t64") and name not in test_qkv.SPECS else name
+                spec = test_qkv.SPECS[base].replace(max_tokens=64 if base != name else test_qkv.SPECS[base].max_tokens)
+                add_tiles(spec, token_tiles(spec.max_tokens))
+                add_norm(spec)
+        elif part == "stream-fp8":                     # test_stream_fp8_cache_bit_exact: each case's tile, both caches
+            for name, m, cfg in stream.FP8:
+                for spec in (stream._spec(name), stream._spec(name).replace(kv_cache_dtype="fp8_e4m3")):
+                    add_tiles(spec, [token_tile(m)], cfg)
+                    add_norm(spec)
+        elif part == "window-clusters":
+            for specs, batches in ((grid.CAP_SPECS, grid.CLUSTER_PLAN + grid.CAP_PLAN),
+                                   (fp8.CAP_SPECS, grid.CLUSTER_PLAN + fp8.CAP_PLAN)):
+                for spec in specs:
+                    op = attn.bind(spec, t, grid._no_load)
+                    for b in batches:
+                        add(attn, spec, op._variants[True][b])
+        elif part == "ab-tests":
+            for cfg, _, max_tokens in stream.CONFIGS:   # ab-tests' and ab-sanitize's -k: ids holding gt or l
+                if "gt" in stream._cfg_id(cfg) or "l" in stream._cfg_id(cfg):
+                    add_tiles(stream._ring_spec(max_tokens)[1], token_tiles(max_tokens), cfg)
+            for name, cfg, m in test_qkv.OTHER_CONFIGS:   # the cluster design with L2 prefetch (Case.run: debug)
+                if cfg.l2_prefetch:
+                    spec = test_qkv.SPECS[name]
+                    add_tiles(spec, [tt for tt in TOKEN_TILES if m <= tt <= 8], cfg)
+                    add_norm(spec)
+        elif part == "tail-tests":
+            # two phases (test_stream_finish_numerics' and the fp8 test's tail configs; Case.run: debug too)
+            for name, _, cfg in stream.FINISH_CASES + stream.FP8:
+                if cfg.tail_heads:
+                    specs = [stream._spec(name)]
+                    if (name, cfg) in {(n, c) for n, _, c in stream.FP8}:
+                        specs.append(specs[0].replace(kv_cache_dtype="fp8_e4m3"))
+                    for spec in specs:
+                        add_tiles(spec, TOKEN_TILES, cfg)
+                        add_norm(spec)
+        else:
+            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, stream-fp8 or "
+                             "qkv:NAME,NAME..")
+        if part in ("ab-tests", "tail-tests"):   # graph replay / back to back [tma] / [tail], and their warmup
+            for name in ("bf16_4096", "flint_bf16"):
+                spec = stream._spec(name)
+                for kind in ("tma", "tail"):
+                    add_tiles(spec, TOKEN_TILES, stream.KINDS[kind], (False,))
+                add_tiles(spec, TOKEN_TILES, None, (False,))
+                add_norm(spec)
     return t, todo
 
 
@@ -80,7 +105,7 @@ def main():
     from benchmarks.harness import prebuild_into
     from flintgen import cache
 
-    t, todo = plan()
+    t, todo = plan(sys.argv[1:] or PARTS)
     root = cache.default_root()
     print(f"{len(todo)} variants -> {root}", flush=True)
     n = prebuild_into([(spec, kdef.name, v) for kdef, spec, v in todo.values()], t, root)

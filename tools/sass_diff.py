@@ -116,7 +116,7 @@ def _plan(which: str):
                 continue
             variants = list(kdef.variants(spec, target))
             if which == "extended" and kdef.name == "qkv":
-                variants.append(kdef.variant(spec, debug=True))
+                variants.append(kdef.variant(spec, debug=True, target=target))
             for v in variants:
                 if v.name not in seen:  # equal names are one cache entry
                     seen.add(v.name)

@@ -76,6 +76,7 @@ MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled p
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
+STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wgmma head dims only)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 16 and 32 tokens
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
@@ -134,37 +135,48 @@ class StreamConfig:
         return min(self.finish_tokens, max_m)
 
 
-def stream_config(weight_format: str, max_m: int, head_dim: int, heads: int = 0) -> "StreamConfig | None":
+def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
+                  heads: int = 0) -> "StreamConfig | None":
     """The streaming design's configuration for the token tile ``max_m`` of a
-    spec, or None where the tile runs the cluster design
-    (flintgen.configs.qkv_config.QKVConfig).
+    spec (``hidden`` its hidden size, ``heads`` q + 2 kv heads per rank), or
+    None where the tile runs the cluster design
+    (flintgen.configs.qkv_config.QKVConfig). NVFP4 weights always run the
+    cluster design (dequantized in registers; the streaming template takes
+    bf16 only); the register path (StreamConfig.prefetch) is never selected
+    (benchmarks/results/qkv_stream_register_path.md). For bf16, measured on
+    an H200 (CUDA-graph replay, weights rotating beyond L2, one process):
 
-    Measured on an H200 (benchmarks/results/qkv_stream.md, GEMV alone and
-    the whole step, CUDA-graph replay, weights rotating beyond L2, one
-    process): bf16 tiles of 16 tokens and more stream. Where a block is a
-    multiple of 64 rows (head_dim 64, 128, 256) they multiply with wgmma,
-    8 stages at 16 / 32 tokens and 6 at 64 (hidden 2048 / 4096 32/8 steps:
-    9.68 / 17.41 us at M = 16 against 10.67 / 18.67 with the mma.sync ring,
-    11.29 / 18.56 at 32 against 13.90 / 22.06, 15.86 / 23.42 at 64 against
-    20.89 / 31.10; 6 stages at M = 16 are slower in the step, 8 at 64
-    slower); head_dim 96 keeps the mma.sync ring of 6 stages. The 8-token
-    tile stays on the cluster design (hidden 2048: step 8.51 us at M = 8
-    against 8.89 with 8 wgmma stages; at hidden 4096 the cluster design is
-    0.3-0.8 us slower at M <= 8: one rule kept for both) and
-    so do NVFP4 weights (dequantized in registers; the streaming template
-    takes bf16 only). The register path (StreamConfig.prefetch) is not
-    selected (benchmarks/results/qkv_stream_register_path.md).
-
-    ``heads``: q + 2 kv heads per rank. The 64-token wgmma tile of at most
-    FINISH_MAX_HEADS heads finishes heads in two slices of 32 tokens
-    (``finish_tokens``), measured (qkv_stream.md, 8fd9fb8): hidden 2048 / 4096
-    GEMV 12.11 / 19.70 us against 14.31 / 21.83 finished whole by the
-    completing CTA; slices of 16 or 8 tokens (2-3 per CTA) 13.8-14.4 /
-    21.5-22.6; at 16 / 32 tokens no slicing was faster (32: 9.89 / 17.32 with
-    two slices against 10.14 / 16.96)."""
-    if weight_format != "bf16" or max_m < STREAM_MIN_TOKENS:
+    * Tiles of 16 tokens and more stream (qkv_stream.md). Where a block is a
+      multiple of 64 rows (head_dim 64, 128, 256) they multiply with wgmma,
+      8 stages at 16 / 32 tokens and 6 at 64 (hidden 2048 / 4096 32/8 steps:
+      9.68 / 17.41 us at M = 16 against 10.67 / 18.67 with the mma.sync ring,
+      11.29 / 18.56 at 32 against 13.90 / 22.06, 15.86 / 23.42 at 64 against
+      20.89 / 31.10; 6 stages at M = 16 are slower in the step, 8 at 64
+      slower); head_dim 96 keeps the mma.sync ring of 6 stages.
+    * The 8-token tile streams from hidden STREAM_MIN_HIDDEN_8 on, with
+      wgmma and 8 stages, where the heads' blocks are whole warpgroups
+      (qkv_stream_shapes.md, steps at M = 1 / 8, cluster design -> ring:
+      Qwen2.5-7B 3584 13.35 / 13.97 -> 11.91 / 12.01, hidden 4096 32/8
+      15.94 / 16.59 -> 15.81 / 16.11, Qwen2.5-14B 5120 21.04 / 22.51 ->
+      21.24 / 21.48, Llama-3-70B 8192 50.44 / 54.90 -> 42.81 / 42.93: the
+      cluster design's grid is one cluster per head, several waves there).
+      Below, the cluster design is faster (hidden 1024 4.48 / 4.66 against
+      6.05 / 6.29, 2048 8.13 / 8.46 against 8.65 / 8.89); head_dim 96 was
+      not measured streaming at 8 tokens and stays on the cluster design.
+    * The 64-token wgmma tile of at most FINISH_MAX_HEADS heads finishes heads
+      in two slices of 32 tokens (``finish_tokens``), measured (qkv_stream.md,
+      8fd9fb8): hidden 2048 / 4096 GEMV 12.11 / 19.70 us against 14.31 / 21.83
+      finished whole by the completing CTA; slices of 16 or 8 tokens (2-3 per
+      CTA) 13.8-14.4 / 21.5-22.6; at 16 / 32 tokens no slicing was faster
+      (32: 9.89 / 17.32 with two slices against 10.14 / 16.96)."""
+    if weight_format != "bf16":
         return None
-    if block_rows_of(head_dim) % WARPGROUP_ROWS:
+    whole_warpgroups = block_rows_of(head_dim) % WARPGROUP_ROWS == 0
+    if max_m < STREAM_MIN_TOKENS:
+        if whole_warpgroups and hidden >= STREAM_MIN_HIDDEN_8:
+            return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True)
+        return None
+    if not whole_warpgroups:
         return StreamConfig(stages=STREAM_STAGES)
     if max_m > 32:
         return StreamConfig(stages=STREAM_STAGES, wgmma=True,

@@ -84,9 +84,9 @@ class QKVDef(KernelDef):
     def config(self, spec: Spec, max_m: int = MMA_N) -> QKVConfig | qkv_stream.StreamConfig:
         """The design and launch configuration of token tile ``max_m``: the
         streaming design where ``qkv_stream_plan.stream_config`` gives one
-        (bf16, 16 tokens and more), else the cluster design's QKVConfig."""
-        stream = qkv_stream.stream_config(spec.weight_format, max_m, spec.head_dim,
-                                          spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank)
+        (bf16: 16 tokens and more, and 8 from hidden 3584), else the cluster design's QKVConfig."""
+        stream = qkv_stream.stream_config(spec.weight_format, max_m, spec.head_dim, hidden=spec.hidden_size,
+                                          heads=spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank)
         if stream is not None:
             return stream
         return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m)
