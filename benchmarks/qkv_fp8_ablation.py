@@ -7,10 +7,13 @@ replay, weights rotating past L2): the step through the real QKVOp (rms_norm + t
 GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interleaved runs.
 
   bf16, fp8     the references (QKVDef: the very binaries benchmarks.qkv --fp8 runs; where
-                the op streams, as h4096 does at M <= 8 since the 8-token rule, only
-                these two are timed: the patches below are the cluster design's text)
+                the op streams, as h4096 does at M <= 8 since the 8-token rule, these two and
+                recip_before_s are timed: the other patches are the cluster design's text)
   fp8_inl       control: kv_quant.py and head_epilogue.py pasted into the module, unchanged
                 (the base of the pasted-code patches; its PTX is fp8's, --prebuild checks)
+  recip_before  the reciprocal of the scale computed before the grid wait, next to its load (as
+                before b50c6c3: a CTA landing late waited for the load before its grid wait);
+                recip_before_s the same in the streaming design
   no_ldg        is it the scale load (before griddepcontrol.wait)? The scale is the kernel
                 argument block_size instead: no load, the quotient kept (not constant-folded)
   div_rn        the quotient as it was: div.rn.f32 per element (MUFU.RCP, 5 dependent FFMA,
@@ -35,7 +38,7 @@ variant's kernel name keys its cache entries apart; the real files are never cha
 
     python -m benchmarks.qkv_fp8_ablation [--runs N] [--check]  # GPU (--check: find the binaries only)
     python -m benchmarks.qkv_fp8_ablation --prebuild DIR  # no GPU: sm_90a, 132 SMs, into DIR
-    python -m benchmarks.qkv_fp8_ablation --diff          # each variant against its base (flint)
+    python -m benchmarks.qkv_fp8_ablation --diff          # each variant against its base (flint; streaming: h4096)
 """
 
 from __future__ import annotations
@@ -106,6 +109,15 @@ NO_LDG = ("""        kv_scale_in = kv_quant.load_scale(
             k_scale.iterator.toint() + Int64(is_v) * (v_scale.iterator.toint() - k_scale.iterator.toint()),
             Int32(rank == 0) * Int32(head >= Q_HEADS))
 """, "        kv_scale_in = Float32(block_size)   # ablation no_ldg: no load (a runtime value)\n", 1)
+LOAD = """            Int32(rank == 0) * Int32(head >= Q_HEADS))
+"""
+RECIP_BEFORE = [("        kv_scale = kv_quant.Scale.of(kv_scale_in)\n", "", 1),
+                (LOAD, LOAD + "        kv_scale = kv_quant.Scale.of(kv_scale_in)   # ablation recip_before\n", 1)]
+STREAM_RECIP = "            kv_scales = (kv_quant.Scale.of(kv_scales[0]), kv_quant.Scale.of(kv_scales[1]))"
+STREAM_LOAD = """                         kv_quant.load_scale(v_scale.iterator.toint(), Int32(1)))
+"""
+STREAM_RECIP_BEFORE = [("""        if cutlass.const_expr(KV_FP8):
+""" + STREAM_RECIP + "\n", "", 1), (STREAM_LOAD, STREAM_LOAD + STREAM_RECIP + "   # ablation recip_before\n", 1)]
 QUOTIENT = "    q = [quotient(v, scale, fast) for v in vals]\n"     # kv_quant.e4m3_run's
 MUL = (QUOTIENT, "    q = [v * scale.scale for v in vals]   # ablation mul\n", 1)
 NOSCALE = (QUOTIENT, "    q = list(vals)   # ablation noscale\n", 1)
@@ -150,8 +162,8 @@ class Ablation(QKVDef):
     helpers pasted in (``inline``), then ``patches``. Its own kernel name (the
     references keep 'qkv', so their keys are benchmarks.qkv's) keys its entries apart."""
 
-    def __init__(self, tag: str, kv: str, inline: bool = False, patches=(), doc: str = ""):
-        self.tag, self.kv, self.inline, self.doc = tag, kv, inline, doc
+    def __init__(self, tag: str, kv: str, inline: bool = False, patches=(), doc: str = "", stream: bool = False):
+        self.tag, self.kv, self.inline, self.doc, self.stream = tag, kv, inline, doc, stream
         self.patches = [patches] if patches and isinstance(patches[0], str) else list(patches)
         self.name = "qkv" if tag in REFERENCES else f"qkv_abl_{tag}"
 
@@ -178,6 +190,8 @@ VARIANTS = {a.tag: a for a in (
     Ablation("bf16", B, doc="reference, bf16 cache"),
     Ablation("fp8", F, doc="reference, e4m3 cache"),
     Ablation("fp8_inl", F, True, doc="control: fp8 with kv_quant + head_epilogue pasted in, unchanged"),
+    Ablation("recip_before", F, False, RECIP_BEFORE, "1 / scale before the grid wait (as before b50c6c3), not after it"),
+    Ablation("recip_before_s", F, False, STREAM_RECIP_BEFORE, "the same in the streaming design", stream=True),
     Ablation("no_ldg", F, False, NO_LDG, "k_scale / v_scale not loaded (scale = block_size)"),
     Ablation("div_rn", F, True, DIV_RN, "div.rn.f32(x, scale) per element in both copies (as before kv_quant.Scale)"),
     Ablation("mul", F, True, MUL, "x * scale instead of the quotient (kv_quant.quotient)"),
@@ -213,8 +227,8 @@ def plan(target, root: str | None = None):
     ops, entries, rms = [], [], get_def("rms_norm")
     for spec in bq.base_specs():
         for tag, abl in VARIANTS.items():
-            if tag not in REFERENCES and not isinstance(abl.config(spec), QKVConfig):
-                continue   # the patches are the cluster design's text; a streaming spec times the references
+            if tag not in REFERENCES and abl.stream == isinstance(abl.config(spec), QKVConfig):
+                continue   # patches of the other design's text
             s8 = spec.replace(kv_cache_dtype=abl.kv)
             load = Loader(abl, s8, target)
             op = QKVOp(abl, s8, target, load)
@@ -271,23 +285,14 @@ def prebuild(root: str) -> None:
 
 def diff_main() -> None:
     target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
-    spec = bq.base_specs()[0]
+    flint, big = bq.base_specs()   # the cluster design's patches on flint, the streaming ones on hidden 4096
     for tag, abl in VARIANTS.items():
-        s8 = spec.replace(kv_cache_dtype=abl.kv)
-        v = abl.variant(s8)
+        s8 = (big if abl.stream else flint).replace(kv_cache_dtype=abl.kv)
+        v = abl.variant(s8, target=target)
         base = abl.source(s8, v, inline=abl.inline and bool(abl.patches), patched=False)
         d = difflib.unified_diff(base.splitlines(True), abl.source(s8, v).splitlines(True),
                                  f"{tag} (unpatched)", tag, n=2)
         print(f"==== {tag}: {abl.doc}\n" + "".join(d))
-
-
-def gemv_args(lay, w):
-    """benchmarks.qkv.Layers.gemv_args plus an fp8 cache's k_scale / v_scale (before qk_eps)."""
-    args = lay.gemv_args(w)
-    if lay.kv_kw:
-        at = len(args) - (lay.qn is not None)
-        args[at:at] = [lay.kv_kw["k_scale"], lay.kv_kw["v_scale"]]
-    return args
 
 
 def main() -> None:
@@ -315,7 +320,8 @@ def main() -> None:
                 lays[kv] = bq.Layers(spec.replace(kv_cache_dtype=kv), m, weights)
             cases = []
             for tag, op, ld in mine:
-                lay, v = lays[op.spec.kv_cache_dtype], VARIANTS[tag].variant(op.spec, max_m=token_tile(m))
+                lay = lays[op.spec.kv_cache_dtype]
+                v = VARIANTS[tag].variant(op.spec, max_m=token_tile(m), target=target)
                 fn = ld(v)   # the binary the step runs at this M (its token tile's)
 
                 def step(op=op, lay=lay):
@@ -324,8 +330,8 @@ def main() -> None:
                               lay.k, lay.v, lay.slots, lay.bias, q_out=lay.q, xn_out=lay.xn,
                               residual_out=lay.res, **lay.kv_kw)
 
-                def gemv(fn=fn, lay=lay):
-                    fn(*gemv_args(lay, lay.weights()))
+                def gemv(fn=fn, lay=lay, v=v, op=op):
+                    fn(*lay.args_for(v, lay.weights(), op))
 
                 cases.append((tag, step, gemv, _regs(ld.entry(v))))
             for r in range(runs):   # interleaved: every variant once per run
