@@ -70,7 +70,7 @@ class QKVDef(KernelDef):
     name = "qkv"
     template = "qkv_gemv.py.j2"
     description = ("fused QKV GEMV (bf16 / NVFP4, M <= 64 in token tiles of 8 / 16 / 32 / 64) with q/k RMSNorm, RoPE (NeoX / interleaved, "
-                   "partial rotary) and the paged KV-cache write; clusters per head (DSMEM), bf16 tiles of 16+ tokens "
+                   "partial rotary) and the paged KV-cache write; clusters per head (DSMEM), bf16 tiles of 16+ tokens (8 from hidden 3584) "
                    "as a persistent split-K stream into wgmma; PDL")
     # What the design needs in every variant's PTX (tests/test_compile.py).
     required_ptx = (
