@@ -43,26 +43,33 @@ def read_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
     return n * 4 / statistics.median(times)
 
 
+def captured(call: Callable[[int], object], n_calls: int, warmup_calls: int) -> "torch.cuda.CUDAGraph":
+    """``call(i % n_calls)`` for i < ``warmup_calls`` run eagerly on a side stream, then ``call(i)`` for i < n_calls
+    captured in one CUDA graph on it, replayed 5 times: the graph, ready to time."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(warmup_calls):
+            call(i % n_calls)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for i in range(n_calls):
+            call(i)
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
 def time_graph(fn: Callable[[], object], calls: int = 20, replays: int | None = None, warmup: int = 3,
                budget_s: float = 0.4) -> dict:
     """Median µs per call of ``fn`` over CUDA-graph replays (plus spread).
 
     ``replays`` defaults to what fits ``budget_s`` of GPU time, within 20..200.
     """
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(calls):
-            fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
+    g = captured(lambda i: fn(), calls, warmup)
     if replays is None:
         replays = int(min(200, max(20, budget_s / max(elapsed_s(g.replay), 1e-6))))
     per_call = sorted(elapsed_s(g.replay) * 1e6 / calls for _ in range(replays))
@@ -73,19 +80,7 @@ def time_graph(fn: Callable[[], object], calls: int = 20, replays: int | None = 
 def replay_calls(call: Callable[[int], object], n_calls: int = 20, replays: int = 50) -> float:
     """``call(i)`` for i < n_calls, run once eagerly on a side stream, then captured in one CUDA graph, replayed 5
     times and timed over ``replays`` more: the median µs per call. The last replay's effects stay (stamp buffers)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        for i in range(n_calls):
-            call(i)
-        with torch.cuda.graph(g, stream=s):
-            for i in range(n_calls):
-                call(i)
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
+    g = captured(call, n_calls, n_calls)
     return statistics.median(elapsed_s(g.replay) for _ in range(replays)) * 1e6 / n_calls
 
 
