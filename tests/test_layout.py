@@ -137,7 +137,7 @@ def test_no_template_name_is_a_python_local(kernel):
     for spec in PRESETS.values():
         for v in kdef.variants(spec, T132):
             params = dict(kdef.render_params(spec, v))
-            src = codegen.render(v.kernel, kdef.template, params)
+            src = codegen.render(v.kernel, kdef.template_of(v), params)
             clash = set(params) & _locals(ast.parse(src))
             assert not clash, f"{v.name}: template names used as Python locals: {sorted(clash)}"
 
