@@ -32,7 +32,7 @@ from flintgen.kernels.base import Target
 from flintgen.kernels.qkv import QKVDef
 from flintgen.kernels.rms_norm import RMSNormDef
 from flintgen.presets import FLINT
-from test_qkv import check_design_ptx
+from test_qkv import check_design_ptx, cluster_config
 
 KDEF = QKVDef()
 NORM = RMSNormDef()
@@ -206,11 +206,16 @@ def _norm_specs():
 _NORM_SPECS = _norm_specs()
 
 
+def _cluster_variant(spec):
+    """The cluster design's 8-token binary (production unless the tile streams: bf16 from hidden 3584)."""
+    return KDEF.variant(spec, config=cluster_config(spec), target=T132)
+
+
 def _todo():
     todo = {}
     for spec in _SPECS.values():
-        v = KDEF.variants(spec, T132)[0]
-        todo[v.name] = (spec, "qkv", v)
+        for v in {_cluster_variant(spec), KDEF.variants(spec, T132)[0]}:   # and production, where it streams
+            todo[v.name] = (spec, "qkv", v)
     for spec in _NORM_SPECS.values():
         for v in NORM.variants(spec, T132):
             todo[v.name] = (spec, "rms_norm", v)
@@ -240,7 +245,7 @@ def _compiled(built, kdef, spec, v):
     built = built[v.name]
     if isinstance(built, Exception):
         raise built
-    assert cache.make_entry(v, kdef.template, dict(kdef.render_params(spec, v)), T132).dir == built
+    assert cache.make_entry(v, kdef.template_of(v), dict(kdef.render_params(spec, v)), T132).dir == built
     return check_compiled(kdef, spec, v, T132)
 
 
@@ -248,7 +253,10 @@ def _compiled(built, kdef, spec, v):
 @pytest.mark.parametrize("key", sorted(_SPECS))
 def test_qkv_grid_compiles_clean(built_grid, key):
     spec = _SPECS[key]
-    v = KDEF.variants(spec, T132)[0]
+    production = KDEF.variants(spec, T132)[0]
+    if KDEF.template_of(production) != KDEF.template:   # the streaming 8-token tile: spill-free, its own PTX
+        _compiled(built_grid, KDEF, spec, production)
+    v = _cluster_variant(spec)
     _, ptx = _compiled(built_grid, KDEF, spec, v)
     p = KDEF.render_params(spec, v)
     # one multicast per xn chunk; a cluster barrier before each chunk after the first
