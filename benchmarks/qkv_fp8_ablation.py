@@ -36,8 +36,9 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
 Patches are text replacements of the rendered module (pasted helpers included); each
 variant's kernel name keys its cache entries apart; the real files are never changed.
 
-    python -m benchmarks.qkv_fp8_ablation [--runs N] [--check]  # GPU (--check: find the binaries only)
-    python -m benchmarks.qkv_fp8_ablation --prebuild DIR  # no GPU: sm_90a, 132 SMs, into DIR
+    python -m benchmarks.qkv_fp8_ablation [--runs N] [--check] [--only T,T]  # GPU (--check: find the binaries only;
+                                                          # --only: those variants beside bf16 and fp8)
+    python -m benchmarks.qkv_fp8_ablation --prebuild DIR [--only T,T]  # no GPU: sm_90a, 132 SMs, into DIR
     python -m benchmarks.qkv_fp8_ablation --diff          # each variant against its base (flint; streaming: h4096)
 """
 
@@ -222,6 +223,16 @@ class Loader:
         return _FNS[e.key]
 
 
+def _only() -> tuple[str, ...]:
+    """--only T,T..: these variants (beside the references) alone; default every one."""
+    if "--only" not in sys.argv:
+        return tuple(VARIANTS)
+    tags = tuple(sys.argv[sys.argv.index("--only") + 1].split(","))
+    if unknown := [t for t in tags if t not in VARIANTS]:
+        raise SystemExit(f"qkv_fp8_ablation: --only {','.join(unknown)}: not a variant; variants: {', '.join(VARIANTS)}")
+    return tags
+
+
 def plan(target, root: str | None = None):
     """([(spec, tag, op, loader)], every cache entry those ops load: GEMV and rms_norm)."""
     ops, entries, rms = [], [], get_def("rms_norm")
@@ -229,6 +240,8 @@ def plan(target, root: str | None = None):
         for tag, abl in VARIANTS.items():
             if tag not in REFERENCES and abl.stream == isinstance(abl.config(spec), QKVConfig):
                 continue   # patches of the other design's text
+            if tag not in REFERENCES + _only():
+                continue
             s8 = spec.replace(kv_cache_dtype=abl.kv)
             load = Loader(abl, s8, target)
             op = QKVOp(abl, s8, target, load)
@@ -367,7 +380,7 @@ def report(res, meta) -> str:
         lines.append(f"| {' | '.join(map(str, k))} | {v['regs']} | " + " | ".join(f"{x:.2f}" for x in us)
                      + f" | {max(us) - min(us):.2f} | {delta(k, 'bf16'):+.2f} | {delta(k, 'fp8'):+.2f} |")
     lines += ["", "Variants (benchmarks/qkv_fp8_ablation.py):", ""]
-    lines += [f"* `{t}`: {a.doc}" for t, a in VARIANTS.items()]
+    lines += [f"* `{t}`: {a.doc}" for t, a in VARIANTS.items() if t in {k[3] for k in res}]
     return "\n".join(lines) + "\n"
 
 
