@@ -21,9 +21,9 @@ vLLM keeps them (dequantized value = e4m3 x scale). Bit-exact against torch::
 
 The quotient. ``load_scale`` reads the scale before griddepcontrol.wait (a
 parameter: the kernel launched just before must not write it) and
-``Scale.of``, right after the wait (so that a CTA landing late does not wait
-for that load before its grid wait), computes ``r = rcp.rn.f32(s)`` once per
-thread, kept only where
+``Scale.of`` computes ``r = rcp.rn.f32(s)`` once per thread (the cluster
+design next to the load, the streaming design right after the wait: each
+measured the faster, benchmarks/results/qkv_fp8_ablation.md), kept only where
 ``2^-64 <= s <= 2^64`` (``SAFE_LO``, ``SAFE_HI``), else ``r = 0`` (also for
 NaN, inf, 0 and negative scales): ``Scale.fast()``, the same in every
 thread. Per element ``x`` (``FAST_QUOTIENT_PTX``, branch-free; SASS: FMUL, 2
@@ -113,8 +113,8 @@ FAST_QUOTIENT_PTX = (
 def safe_recip(scale, *, loc=None, ip=None):
     """``rcp.rn.f32(scale)`` where ``SAFE_LO <= scale <= SAFE_HI``, else 0
     (``RECIP_PTX``). Marked side-effecting so that it stays where it is
-    called (right after griddepcontrol.wait, ``Scale.of``) rather than sinking
-    into the epilogue."""
+    called (``Scale.of``, before or right after griddepcontrol.wait) rather
+    than sinking into the epilogue."""
     return ptx._asm([Float32], [(Float32, scale)], RECIP_PTX, side_effects=True, loc=loc, ip=ip)
 
 
@@ -129,16 +129,14 @@ def fast_quotient(x, scale, recip, *, loc=None, ip=None):
 
 def load_scale(addr, pred):
     """The layer's fp32 k_scale or v_scale at global ``addr`` (0 where
-    ``pred``, Int32, is 0: no access). Issued before griddepcontrol.wait; its
-    ``Scale.of`` after the wait."""
+    ``pred``, Int32, is 0: no access). Issued before griddepcontrol.wait."""
     return ldst.ldg_f32_pred(addr, pred)
 
 
 class Scale(NamedTuple):
     """A layer's k_scale or v_scale for the quotients of one thread:
     ``scale`` and ``recip`` = ``safe_recip(scale)`` (0 outside the safe
-    range). Built right after griddepcontrol.wait from ``load_scale``'s
-    value (the load issued before the wait)."""
+    range), from ``load_scale``'s value."""
 
     scale: object
     recip: object
