@@ -399,8 +399,8 @@ def stream_main():
     print(write_results(mode_plan()[1], rows, bw, "BF16 weights rotate over copies exceeding L2. Floor: weight "
                         "(+ activation) bytes / read bandwidth. Designs: production = what the op picks per token tile "
                         "(qkv_stream_plan.stream_config: the cluster design, register prefetch with a cluster per head, "
-                        "at M <= 8; from 16 tokens the streaming design's ring with wgmma, 8 stages at 16 / 32 tokens, "
-                        "6 at 64), stream = the persistent split-K grid with a cp.async ring (configs as labelled: "
+                        "at M <= 8 below hidden 3584; from 16 tokens, and from 8 at hidden 3584 and more, the "
+                        "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64), stream = the persistent split-K grid with a cp.async ring (configs as labelled: "
                         "s = stages, g = wgmma, else mma.sync)."))
 
 
