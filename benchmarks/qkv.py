@@ -400,8 +400,9 @@ def stream_main():
                         "(+ activation) bytes / read bandwidth. Designs: production = what the op picks per token tile "
                         "(qkv_stream_plan.stream_config: the cluster design, register prefetch with a cluster per head, "
                         "at M <= 8 below hidden 3584; from 16 tokens, and from 8 at hidden 3584 and more, the "
-                        "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64), stream = the persistent split-K grid with a cp.async ring (configs as labelled: "
-                        "s = stages, g = wgmma, else mma.sync)."))
+                        "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64), stream = the "
+                        "persistent split-K grid with a cp.async ring (configs as labelled: s = stages, g = wgmma, "
+                        "else mma.sync)."))
 
 
 def main():

@@ -240,11 +240,11 @@ def _only() -> tuple[str, ...]:
 def plan(target, root: str | None = None):
     """([(spec, tag, op, loader)], every cache entry those ops load: GEMV and rms_norm)."""
     ops, entries, rms = [], [], get_def("rms_norm")
+    wanted = _only()
     for spec in bq.base_specs():
         for tag, abl in VARIANTS.items():
-            if tag not in REFERENCES and abl.stream == isinstance(abl.config(spec), QKVConfig):
-                continue   # patches of the other design's text
-            if tag not in REFERENCES + _only():
+            # the references always; another variant where asked for and its patches are this design's text
+            if tag not in REFERENCES and (tag not in wanted or abl.stream == isinstance(abl.config(spec), QKVConfig)):
                 continue
             s8 = spec.replace(kv_cache_dtype=abl.kv)
             load = Loader(abl, s8, target)

@@ -52,9 +52,9 @@ def plan(parts=PARTS):
 
     for part in parts:
         if part.startswith("qkv:"):                   # the production op of test_qkv's SPECS
-            for name in part[4:].split(","):   # NAME_t64: SPECS[NAME] with max_tokens 64 (a test's replace)
-                base = name[:-4] if name.endswith("_t64") and name not in test_qkv.SPECS else name
-                spec = test_qkv.SPECS[base].replace(max_tokens=64 if base != name else test_qkv.SPECS[base].max_tokens)
+            for name in part[4:].split(","):   # NAME_t64 not in SPECS: SPECS[NAME] with max_tokens 64 (a test's replace)
+                spec = (test_qkv.SPECS[name] if name in test_qkv.SPECS
+                        else test_qkv.SPECS[name.removesuffix("_t64")].replace(max_tokens=64))
                 add_tiles(spec, token_tiles(spec.max_tokens))
                 add_norm(spec)
         elif part == "stream-fp8":                     # test_stream_fp8_cache_bit_exact: each case's tile, both caches
