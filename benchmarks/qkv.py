@@ -53,7 +53,7 @@ import torch
 import flintgen
 from benchmarks.harness import Row, prebuild_into, read_bandwidth, time_graph, write_results
 from flintgen import quant
-from flintgen.configs.qkv_config import QKVConfig, token_tile
+from flintgen.configs.qkv_config import QKVConfig, token_tile, token_tiles
 from flintgen.kernels import qkv_stream
 from flintgen.kernels.qkv import QKVDef, QKVOp
 from flintgen.runtime import load_variant
@@ -243,9 +243,11 @@ def stream_configs():
     """--stream: (label, config, kernel def) of the designs timed per M. ``--configs w2,s6,w2s6,p3c2,s6g,L,L8,T,TL``
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
-    prefetched into L2 before the grid-dependency wait, h: tail heads streamed in a second phase) and the op's own configs with L2 prefetch (L: whole
+    prefetched into L2 before the grid-dependency wait, h: tail heads streamed in a second phase, d: K steps of each
+    block in the pool handed out as CTAs ask) and the op's own configs with L2 prefetch (L: whole
     ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8;
-    ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory."""
+    ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A config a spec cannot take
+    (its plan refuses the shape) is skipped on that spec, with a line saying why (``usable``)."""
     import re
 
     out = [("production", None, KDEF)]
@@ -259,19 +261,31 @@ def stream_configs():
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
                 out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
                 continue
-            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?(?:h(\d+))?",
-                                 c)
+            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?(?:h(\d+))?"
+                                 r"(?:d(\d+))?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
-                                 "f<tokens>l<units>h<heads> (in that order, each part optional), T, L, L<units>, TL, "
+                                 "f<tokens>l<units>h<heads>d<steps> (in that order, each part optional), T, L, L<units>, TL, "
                                  "TL<units>")
-            w, st, p, cs, g, tma, f, l2, tail = parts.groups()
+            w, st, p, cs, g, tma, f, l2, tail, pool = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
                                                                 wgmma=g is not None, finish_tokens=int(f or 0),
                                                                 l2_prefetch=int(l2 or 0), tma=tma is not None,
-                                                                tail_heads=int(tail or 0)), KDEF))
+                                                                tail_heads=int(tail or 0), pool_steps=int(pool or 0)),
+                        KDEF))
     return out
+
+
+def usable(spec, label, cfg, kd, tiles, target):
+    """Whether ``spec`` takes stream config ``label`` at every tile of ``tiles`` (prints why not)."""
+    try:
+        for t in tiles:
+            kd.variant(spec, config=cfg, max_m=t, target=target)
+    except ValueError as e:
+        print(f"skipped: {label} on {spec.name}: {e}", flush=True)
+        return False
+    return True
 
 
 def mode_plan():
@@ -281,6 +295,8 @@ def mode_plan():
         specs = ([(s.replace(max_tokens=64), TOKEN_COUNTS) for s, _ in report_specs()] if "--shapes" in sys.argv
                  else token_specs())
         name = "qkv_stream_shapes" if "--shapes" in sys.argv else "qkv_stream"
+        if "--results" in sys.argv:   # another table's name (a run of other configs beside production)
+            name = sys.argv[sys.argv.index("--results") + 1]
         if "--ms" in sys.argv:   # these token counts only, on specs whose max_tokens is their largest tile
             ms = tuple(int(m) for m in sys.argv[sys.argv.index("--ms") + 1].split(","))
             return [(s.replace(max_tokens=token_tile(max(ms))), ms) for s, _ in specs
@@ -302,10 +318,9 @@ def prebuild(root):
     target = toolchain.resolve_target(arch="sm_90a", num_sms=132)
     todo = [(s, k, v) for s in specs for k, v in _plan(s, target, ("rms_norm", "qkv"))]
     if "--stream" in sys.argv:
-        from flintgen.configs.qkv_config import token_tiles
-
         todo += [(s, "qkv", kd.variant(s, config=cfg, max_m=t, target=target)) for s in specs
-                 for _, cfg, kd in stream_configs() if cfg is not None or kd is not KDEF
+                 for label, cfg, kd in stream_configs() if (cfg is not None or kd is not KDEF)
+                 and usable(s, label, cfg, kd, token_tiles(s.max_tokens), target)
                  for t in token_tiles(s.max_tokens)]
     n = prebuild_into(todo, target, root)
     print(f"prebuilt {len(todo)} variants ({n} entries, listed in prebuilt.txt) into {root}")
@@ -358,6 +373,8 @@ def stream_main():
         wl = [w[0] for w in weights]
         ops = {}
         for label, cfg, kd in stream_configs():
+            if not usable(spec, label, cfg, kd, token_tiles(spec.max_tokens), t):
+                continue
             ops[label] = QKVOp(kd, spec, t, lambda v, kd=kd: load_variant(kd, spec, v, t)[0], config=cfg)
             ops[label].warmup(torch.device("cuda"))
         for m in ms:

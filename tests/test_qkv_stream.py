@@ -109,7 +109,8 @@ def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
-        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"h{c.tail_heads}" if c.tail_heads else "")
+        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"h{c.tail_heads}" if c.tail_heads else "") + \
+        (f"d{c.pool_steps}" if c.pool_steps else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -414,7 +415,8 @@ def test_stream_fp8_cache_bit_exact(name, m, cfg):
 # the finish: wgmma, heads in 16-token slices; tma: the wgmma ring's weights by TMA, the L2 prefetch 8 units ahead
 KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16,
          "tma": StreamConfig(stages=6, wgmma=True, tma=True, l2_prefetch=8),
-         "tail": StreamConfig(stages=6, wgmma=True, finish_tokens=8, tail_heads=12)}   # 12 of 48 / of 40 heads
+         "tail": StreamConfig(stages=6, wgmma=True, finish_tokens=8, tail_heads=12),   # 12 of 48 / of 40 heads
+         "pool": StreamConfig(stages=6, wgmma=True, finish_tokens=8, pool_steps=2)}    # hidden 2048 fits 2
 
 
 @pytest.mark.gpu
@@ -606,7 +608,7 @@ def test_ablation_patches_apply(wg):
     src = abl.patched_source(spec, v, "no_mma")
     i = src.index("for u in cutlass.range(seg_lo")
     loop = src[i:src.index("self.store_partials(workspace, acc, cta * SLOTS_PER_CTA + ps,", i)]
-    assert "self.mma_unit(" not in loop and "cp_async_commit()" in loop
+    assert "self.mma_unit(" not in loop and "self.refill(" in loop
 
 
 if __name__ == "__main__":

@@ -198,6 +198,15 @@ def atomic_add_acq_rel(addr, v, *, loc=None, ip=None):
     )  # fmt: skip
 
 
+@dsl_user_op
+def atomic_add_relaxed(addr, v, *, loc=None, ip=None):
+    """Returns the old value; relaxed (gpu scope): a ticket, publishing nothing."""
+    return _asm(
+        [Int32], [(Int64, addr), (Int32, v)],
+        "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", side_effects=True, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------- shared memory
 @dsl_user_op
 def lds_u32x4(addr, *, loc=None, ip=None):

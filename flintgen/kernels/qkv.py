@@ -232,7 +232,7 @@ class QKVOp:
         # (warmup), never replaced, so a captured graph's buffer stays the op's
         stream_plans = [qkv_stream.plan_of(dict(v.params)) for v in self._variants.values() if qkv_stream.is_stream(v)]
         self._workspace_size = (max((pl.workspace_floats for pl in stream_plans), default=0),
-                                max((pl.heads for pl in stream_plans), default=0))
+                                max((pl.counters for pl in stream_plans), default=0))
         self._workspace = qkv_stream.workspace(*self._workspace_size)
         self._norm = None
         h = spec.head_dim

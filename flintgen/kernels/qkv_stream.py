@@ -27,6 +27,7 @@ REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "cp.a
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 WGMMA_PTX = ("wgmma.mma_async.sync.aligned", "fence.proxy.async.shared::cta", "wgmma.wait_group.sync.aligned")
+POOL_PTX = ("atom.relaxed.gpu.global.add.s32",)   # the pool's ticket draws (flintgen.device.tickets)
 TMA_PTX = ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes", "mbarrier.try_wait",
            "elect.sync")
 
@@ -37,6 +38,8 @@ def required_ptx(v: Variant) -> tuple[str, ...]:
     need = REQUIRED_PTX + (WGMMA_PTX if p.get("wgmma") else (MMA_PTX,))
     if p.get("tma"):   # no cp.async, so no proxy fence for it: TMA writes through the async proxy wgmma reads
         need = tuple(i for i in need if not i.startswith(("cp.async.", "fence.proxy.async"))) + TMA_PTX
+    if p.get("pool_steps"):
+        need += POOL_PTX
     return need
 
 
@@ -78,7 +81,8 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
-                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), tail_heads=p.get("tail_heads", 0))
+                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), tail_heads=p.get("tail_heads", 0),
+                      pool_steps=p.get("pool_steps", 0))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -92,7 +96,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
-                          ("l2_prefetch", 0), ("tma", False), ("tail_heads", 0)):
+                          ("l2_prefetch", 0), ("tma", False), ("tail_heads", 0), ("pool_steps", 0)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     if cfg.finish_tokens:
@@ -126,7 +130,8 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
-        "tma": plan.tma,
+        "tma": plan.tma, "pool_steps": plan.pool_steps, "pool_units": plan.pool_units,
+        "pool_slot0": plan.pool_slot(0), "n_counters": plan.counters,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
@@ -135,12 +140,13 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def workspace(floats: int, heads: int) -> DeviceBuffers:
+def workspace(floats: int, counters: int) -> DeviceBuffers:
     """An op's buffers for its streaming binaries, per device: fp32 partials
-    (``floats``: the largest plan's) and per-head arrival counters, zeroed
-    once; every launch leaves the counters at zero again."""
+    (``floats``: the largest plan's) and int32 counters (``counters``: the
+    largest plan's: per head, then the pool's), zeroed once; every launch
+    leaves the counters at zero again."""
     import torch
 
     return DeviceBuffers("qkv", lambda device: (
         torch.empty(max(floats, 1), dtype=torch.float32, device=device),
-        torch.zeros(max(heads, 1), dtype=torch.int32, device=device)))
+        torch.zeros(max(counters, 1), dtype=torch.int32, device=device)))
