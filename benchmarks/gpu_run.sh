@@ -27,6 +27,8 @@
 #   bash benchmarks/gpu_run.sh stream-pool      # the op's QKV step at M = 1..16 against the ring with a pool of
 #                                               # 2..20 K steps per block handed out as CTAs ask (d), f8 alone
 #                                               # (results: qkv_stream_pool.md)
+#   bash benchmarks/gpu_run.sh stream-pool-shapes  # the same at M = 1 / 8 on qkv_shapes' BF16 models (hidden 1024..8192;
+#                                               # the pools a shape cannot take are skipped, with why)
 #   bash benchmarks/gpu_run.sh pool-tests       # the pool's GPU tests, then compute-sanitizer's four tools over two
 #   bash benchmarks/gpu_run.sh tile8-tests      # the 8-token tile's streaming rule (hidden >= 3584): test_qkv's
 #                                               # numerics of those specs, graph replay per token tile
@@ -104,6 +106,8 @@ for what in "$@"; do
                sanitize_stream tail_sanitize "finish_numerics and (flint_bf16-M33-f8gh10 or d96_r24-M57-f8h12)" ;;
         stream-pool) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16 --no-fill --results qkv_stream_pool \
                    --configs s8gf8,s8gf8d2,s8gf8d4,s8gf8d8,s8gf8d13,s8gf8d20 2>&1 | tee "$OUT/qkv_stream_pool.log" | tail -60 ;;
+        stream-pool-shapes) python3 -m benchmarks.qkv --stream --shapes --ms 1,8 --no-fill --results qkv_stream_pool_shapes \
+                   --configs s8gf8,s8gf8d8,s8gf8d13 2>&1 | tee "$OUT/qkv_stream_pool_shapes.log" | tail -40 ;;
         pool-tests) S=tests/test_qkv_stream.py
                python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream_pool.py \
                    "$S::test_stream_graph_replay_with_changed_inputs[pool]" "$S::test_stream_layers_back_to_back_race_free[pool]" \

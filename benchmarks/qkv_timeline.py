@@ -155,6 +155,12 @@ def rows():
         out += [(f"{spec.name} M={m}", spec, m, None) for m in (1, 8, 16, 64)]
         out += [(f"{spec.name} M={m} {name}", spec, m, cfg) for m in (1, 8)
                 for name, cfg in (("ring s8 wgmma", S(stages=8, wgmma=True)), ("ring filling smem", S(wgmma=True)))]
+        # issue 18: the 8-token ring with 8-token finishing slices, alone and with a pool of 13 K steps per block
+        # handed out as CTAs ask (where the shape takes it: hidden 4096)
+        if spec.hidden_size >= 4096:
+            out += [(f"{spec.name} M={m} {name}", spec, m, cfg) for m in (1, 8)
+                    for name, cfg in (("ring s8 f8", S(stages=8, wgmma=True, finish_tokens=8)),
+                                      ("ring s8 f8 pool13", S(stages=8, wgmma=True, finish_tokens=8, pool_steps=13)))]
         # issue 17: the step writing an e4m3 cache (0.04-0.26 us slower than the bf16 write, qkv_fp8_ablation.md)
         fp8 = spec.replace(kv_cache_dtype="fp8_e4m3")
         out += [(f"{spec.name} M={m} fp8 cache", fp8, m, None) for m in (1, 8)]

@@ -109,6 +109,14 @@ class _Queue:
             assert old["last_read"] < it, (q, old)
         self.slots[q % POOL_QUEUE] = dict(q=q, value=value, stored=it, last_read=-1)
 
+    def peek(self, q, it):
+        """The template's refill reads slot ``q & (QUEUE - 1)`` also for copies inside the range (q < 0), its
+        value unused: that slot too must not be stored in the same iteration."""
+        s = self.slots[q & (POOL_QUEUE - 1)]
+        if s is not None:
+            assert s["stored"] < it, (q, s, it)
+            s["last_read"] = max(s["last_read"], it)
+
     def read(self, q, it):
         s = self.slots[q % POOL_QUEUE]
         assert s is not None and s["q"] == q, (q, s)     # the ticket meant for copy q, not another
@@ -130,7 +138,9 @@ def _cta(p, c, counters, streamed, log):
 
     def refill(jn, it):
         live, u = jn < n, p.unit_of_range_unit(lo + jn)
-        if jn >= n:
+        if jn < n:
+            queue.peek(jn - n, it)
+        else:
             pu = queue.read(jn - n, it)
             live, u = pu < POOL, p.unit_of_pool_unit(min(pu, POOL - 1))
         prev = stage.get(jn % S)
@@ -253,6 +263,38 @@ def test_pool_ticket_protocol_one_slow_cta():
     assert counters[p.heads:] == [0, 0]
 
 
+@pytest.mark.parametrize("name, max_m, pool, wgmma", [("bf16_4096", 8, 13, True), ("d96_r24", 8, 6, False),
+                                                     ("h16384_bf16", 8, 64, True)])
+def test_pool_template_addresses_its_plan(name, max_m, pool, wgmma):
+    """The rendered module (plain Python where it computes addresses): its constants are the plan's, its
+    ``unit_at`` maps every range unit of every CTA's range, and ``pool_unit`` every ticket (clamped past the
+    pool), to the unit the plan says."""
+    import types
+
+    from test_qkv_stream import KDEF, T132, _spec
+
+    from flintgen import codegen
+    from flintgen.kernels import qkv_stream
+
+    cfg = StreamConfig(stages=8 if wgmma else 6, wgmma=wgmma, finish_tokens=8, pool_steps=pool)
+    spec = _spec(name)
+    v = KDEF.variant(spec, config=cfg, max_m=max_m, target=T132)
+    src = codegen.render(v.kernel, KDEF.template_of(v), dict(KDEF.render_params(spec, v)))
+    mod = types.ModuleType("rendered")
+    exec(compile(src, "rendered", "exec"), mod.__dict__)
+    p = qkv_stream.plan_of(dict(v.params))
+    assert (mod.POOL, mod.RANGE_STEPS, mod.POOL_UNITS, mod.POOL_SLOT0) == (True, p.range_steps, p.pool_units,
+                                                                         p.pool_slot(0))
+    assert (mod.TICKETS, mod.N_COUNTERS, mod.GRID, mod.MERGE_TERMS) == (p.heads, p.counters, p.grid, p.merge_terms)
+    assert mod.PHASE_UNITS == (p.range_units,) and mod.LOOKAHEAD == p.lookahead
+    k = mod.QKVStream()
+    for c in range(p.grid):
+        lo, hi = p.lo(c), p.lo(c + 1)
+        assert [k.unit_at(j, lo, hi, lo) for j in range(hi - lo)] == [p.unit_of_range_unit(h) for h in range(lo, hi)]
+    assert [k.pool_unit(q) for q in range(p.pool_units + 5)] == \
+        [p.unit_of_pool_unit(min(q, p.pool_units - 1)) for q in range(p.pool_units + 5)]
+
+
 # ----------------------------------------------------------------- refusals
 def test_pool_refusals():
     with pytest.raises(ValueError, match=r"pool_steps = 64 must be 0 \(no pool\) or 1..63 \(of a block's 64 K steps "
@@ -278,6 +320,12 @@ def test_pool_refusals():
         StreamConfig(stages=8, wgmma=True, pool_steps=8)
     with pytest.raises(ValueError, match=r"StreamConfig: pool_steps = -1 must be 0 \(no pool\) or more"):
         StreamConfig(pool_steps=-1)
+
+
+def test_pool_queue_depth():
+    """The queue's slot is ``q & (QUEUE - 1)`` (a power of two) and outlives the ring's lookahead (at most
+    MAX_STAGES - 1 copies in flight): a slot is rewritten only after its last read."""
+    assert POOL_QUEUE & (POOL_QUEUE - 1) == 0 and POOL_QUEUE >= sp.MAX_STAGES
 
 
 def test_pool_counts_in_the_workspace():

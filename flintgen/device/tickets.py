@@ -55,7 +55,7 @@ def step(tick, queue0, counter, q: Int32, limit: cutlass.Constexpr[int], tid):
     if tid == 0:
         if q >= 0:
             if q >= 2:
-                ptx.sts_i32(queue0 + Int32(((q - 2) % QUEUE) * 4), tick[1])
+                ptx.sts_i32(queue0 + Int32(((q - 2) & (QUEUE - 1)) * 4), tick[1])
                 if tick[1] >= limit:
                     tick[2] = Int32(1)
             tick[1] = tick[0]
@@ -66,8 +66,9 @@ def step(tick, queue0, counter, q: Int32, limit: cutlass.Constexpr[int], tid):
 
 
 def read(queue0, q):
-    """Pool copy ``q``'s unit (>= the pool's size: none), stored before the last barrier."""
-    return ptx.lds_i32(queue0 + Int32((q % QUEUE) * 4))
+    """Pool copy ``q``'s unit (>= the pool's size: none), stored before the last barrier (``q`` < 0: some
+    slot, in range)."""
+    return ptx.lds_i32(queue0 + Int32((q & (QUEUE - 1)) * 4))
 
 
 @cute.jit
