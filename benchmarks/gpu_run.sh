@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_run.sh shapes           # sibling shapes (GQA 4/16, d64, pages 32/64), 3 runs
 #   bash benchmarks/gpu_run.sh models1          # real models' shapes, group 1 (21 rows), 3 runs; models2 likewise
 #   bash benchmarks/gpu_run.sh fp8              # fp8 KV-cache decode table vs XQA-fp8 and bf16, 3 runs
-#   FP8_ROWS='64/8 d64 B=64 L=8k' bash benchmarks/gpu_run.sh fp8-rows   # those rows of it (--rows), 3 runs
+#   FP8_ROWS='64/8 d64 B=64 L=8k' bash benchmarks/gpu_run.sh fp8-rows   # those rows of it (--rows), FP8_RUNS runs (3)
 #   bash benchmarks/gpu_run.sh qkv              # QKV step and GEMV benchmark
 #   bash benchmarks/gpu_run.sh qkv-fp8          # QKV step writing an e4m3 cache vs the bf16 one
 #   bash benchmarks/gpu_run.sh stream-tests     # the streaming QKV GEMV's GPU tests
@@ -76,7 +76,7 @@ for what in "$@"; do
         models1|models2) python3 -m benchmarks.decode_attention --models --group "${what#models}" --runs 3 2>&1 \
                | tee "$OUT/$what.log" | tail -30 ;;
         fp8) python3 -m benchmarks.decode_attention --fp8 --runs 3 2>&1 | tee "$OUT/fp8.log" | tail -30 ;;
-        fp8-rows) python3 -m benchmarks.decode_attention --fp8 --runs 3 --rows "${FP8_ROWS:?set FP8_ROWS}" 2>&1 \
+        fp8-rows) python3 -m benchmarks.decode_attention --fp8 --runs "${FP8_RUNS:-3}" --rows "${FP8_ROWS:?set FP8_ROWS}" 2>&1 \
                | tee "$OUT/fp8_rows.log" | tail -12 ;;
         qkv) python3 -m benchmarks.qkv 2>&1 | tee "$OUT/qkv.log" | tail -30 ;;
         qkv-fp8) python3 -m benchmarks.qkv --fp8 2>&1 | tee "$OUT/qkv_fp8.log" | tail -12 ;;
