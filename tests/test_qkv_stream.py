@@ -110,7 +110,7 @@ def _cfg_id(c):
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"h{c.tail_heads}" if c.tail_heads else "") + \
-        (f"d{c.pool_steps}" if c.pool_steps else "")
+        (f"d{c.pool_steps}" if c.pool_steps else "") + ("n" if c.fuse_norm else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -416,7 +416,8 @@ def test_stream_fp8_cache_bit_exact(name, m, cfg):
 KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16,
          "tma": StreamConfig(stages=6, wgmma=True, tma=True, l2_prefetch=8),
          "tail": StreamConfig(stages=6, wgmma=True, finish_tokens=8, tail_heads=12),   # 12 of 48 / of 40 heads
-         "pool": StreamConfig(stages=6, wgmma=True, finish_tokens=8, pool_steps=2)}    # hidden 2048 fits 2
+         "pool": StreamConfig(stages=6, wgmma=True, finish_tokens=8, pool_steps=2),    # hidden 2048 fits 2
+         "fused": StreamConfig(stages=6, wgmma=True, finish_tokens=8, pool_steps=2, fuse_norm=True)}
 
 
 @pytest.mark.gpu

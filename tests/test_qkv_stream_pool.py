@@ -39,7 +39,7 @@ def test_pool_plan_covers_every_unit_once(case):
     (closed form) are the CTAs whose segments hold the block."""
     p = _plan(*case)
     assert p.range_steps + p.pool_steps == p.steps and p.range_units + p.pool_units == p.units
-    assert p.grid == min(case[3], p.range_units) and p.counters == p.heads + sp.POOL_COUNTERS
+    assert p.grid == min(case[3], p.range_units) and p.counters == p.heads + sp.LAUNCH_COUNTERS
     seen, slots, head_units, by_block = [0] * p.units, set(), [0] * p.heads, {}
     for c in range(p.grid):
         lo, hi = p.lo(c), p.lo(c + 1)
@@ -129,7 +129,8 @@ def _cta(p, c, counters, streamed, log):
     """One CTA of the template's ring path with a pool, as a generator that yields at each barrier of the
     ring (the interleaving points). Mirrors qkv_stream.py.j2: prologue copies, the grid wait, the range's
     segments (refill + tickets.step + consume per iteration), the pool loop, tickets.leave."""
-    L, S, POOL, T = p.lookahead, p.ring_stages, p.pool_units, p.heads
+    L, S, POOL, LEFT = p.lookahead, p.ring_stages, p.pool_units, p.heads
+    T = LEFT + 1                           # counters: heads', then CTAs that left, tickets, rows normalized
     lo, hi = p.lo(c), p.lo(c + 1)
     n = hi - lo
     stage = {}
@@ -197,9 +198,9 @@ def _cta(p, c, counters, streamed, log):
         pq += 1
         pu = queue.read(pq, it)
         it += 1
-    counters[T + 1] += 1                   # tickets.leave
-    if counters[T + 1] == p.grid:
-        counters[T] = counters[T + 1] = 0
+    counters[LEFT] += 1                    # arrivals.leave (after the finish)
+    if counters[LEFT] == p.grid:
+        counters[LEFT:LEFT + sp.LAUNCH_COUNTERS] = [0] * sp.LAUNCH_COUNTERS
 
 
 def _launch(p, counters, rng, slow):
@@ -235,7 +236,7 @@ def test_pool_ticket_protocol(case):
         streamed, log = _launch(p, counters, rng, slow)
         assert streamed == [1] * p.units, launch
         assert counters[:p.heads] == [p.head_units] * p.heads       # every head complete
-        assert counters[p.heads:] == [0, 0]                          # the ticket counter reset by the last to leave
+        assert counters[p.heads:] == [0, 0, 0]                       # reset by the last to leave
         assert sorted(pu for _, pu in log) == list(range(p.pool_units))
         counters[:p.heads] = [0] * p.heads                           # the finishers' departures (arrivals.depart)
         if p.grid > 8 and p.pool_units >= 4 * p.grid:
@@ -260,7 +261,7 @@ def test_pool_ticket_protocol_one_slow_cta():
     for _ in gens[0]:
         pass
     assert streamed == [1] * p.units and all(c != 0 for c, _ in log)
-    assert counters[p.heads:] == [0, 0]
+    assert counters[p.heads:] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("name, max_m, pool, wgmma", [("bf16_4096", 8, 13, True), ("d96_r24", 8, 6, False),
@@ -285,7 +286,8 @@ def test_pool_template_addresses_its_plan(name, max_m, pool, wgmma):
     p = qkv_stream.plan_of(dict(v.params))
     assert (mod.POOL, mod.RANGE_STEPS, mod.POOL_UNITS, mod.POOL_SLOT0) == (True, p.range_steps, p.pool_units,
                                                                          p.pool_slot(0))
-    assert (mod.TICKETS, mod.N_COUNTERS, mod.GRID, mod.MERGE_TERMS) == (p.heads, p.counters, p.grid, p.merge_terms)
+    assert (mod.LEFT, mod.TICKETS, mod.N_COUNTERS) == (p.heads, p.heads + 1, p.counters)
+    assert (mod.GRID, mod.MERGE_TERMS, mod.LAUNCH_COUNTERS) == (p.grid, p.merge_terms, sp.LAUNCH_COUNTERS)
     assert mod.PHASE_UNITS == (p.range_units,) and mod.LOOKAHEAD == p.lookahead
     k = mod.QKVStream()
     for c in range(p.grid):
@@ -329,9 +331,10 @@ def test_pool_queue_depth():
 
 
 def test_pool_counts_in_the_workspace():
-    """The op's counters hold the largest plan's: the heads', then the pool's ticket and leaving counts."""
+    """The op's counters hold the largest plan's: the heads', then the CTAs that left, the pool's tickets and
+    the rows normalized."""
     p = _plan(4096, 128, 48, 132, 8, 13, True)
-    assert p.counters == 50 and p.pool_slot(0) == p.grid * p.slots_per_cta
+    assert p.counters == 51 and p.pool_slot(0) == p.grid * p.slots_per_cta
     assert _plan(4096, 128, 48, 132, 8, 0, True).counters == 48
 
 
@@ -361,12 +364,12 @@ def test_pool_compiles_clean(name, max_m, cfg):
     from test_qkv_stream import _compiled, _spec
 
     p, ptx = _compiled(_spec(name), cfg, max_m)
-    assert p["pool_steps"] == cfg.pool_steps and p["n_counters"] == p["q_heads"] + 2 * p["kv_heads"] + 2
+    assert p["pool_steps"] == cfg.pool_steps and p["n_counters"] == p["q_heads"] + 2 * p["kv_heads"] + 3
     wait = ptx.index("griddepcontrol.wait")
     draws = [i for i in range(len(ptx)) if ptx.startswith("atom.relaxed.gpu.global.add.s32", i)]
     assert len(draws) == p["max_segments"] + 1 and min(draws) > wait
     assert ptx.count("atom.acq_rel.gpu.global.add.s32") == p["slots_per_cta"] + 1 + 1 + p["max_owned"]
-    assert ptx.count("st.relaxed.gpu.global.s32") == 2 + p["max_owned"]   # the pool's two resets, the departures
+    assert ptx.count("st.relaxed.gpu.global.s32") == 3 + p["max_owned"]   # the launch counters' resets, departures
     assert ptx.count("nanosleep") == p["max_owned"]
 
 

@@ -37,7 +37,14 @@ takes fewer pool units, so the CTAs end together. Pool unit ``p`` (block
 slots_per_cta + p`` and is counted on its head like a segment; the merge
 sums a block's home partials (CTA order), then its pool partials (K order):
 deterministic. Heads are finished in slices (``finish_tokens``) after the
-stream; the last CTA to leave the stream resets the ticket counter.
+stream; the last CTA to leave resets the ticket counter.
+
+With ``fuse_norm`` the (residual-add) RMSNorm runs inside the GEMV instead of
+as a kernel of its own: after the grid-dependency wait, CTA ``c`` normalizes
+token rows ``c, c + grid, ..`` exactly as the standalone kernel would
+(flintgen.device.fused_norm: same bits) and counts them; every CTA waits for
+all M rows before its first xn copy (its first weight copies are in flight
+since before the wait). The step loses one kernel and one dependency hop.
 
 With ``finish_tokens`` > 0 the finish is spread instead: a head's tokens are
 cut into ``finish_slices`` slices of ``finish_tokens`` tokens (whole 8-token
@@ -104,7 +111,8 @@ MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next uni
 POOL_QUEUE = 16         # pool tickets held in shared memory (a power of two above the ring's lookahead + 1)
 POOL_DRAW_AHEAD = 3     # a pool ticket is drawn this many ring iterations before its copy is issued
 POOL_QUEUE_BYTES = 4 * POOL_QUEUE
-POOL_COUNTERS = 2       # after the heads' counters: the pool's ticket counter and its leaving count
+LAUNCH_COUNTERS = 3     # after the heads' counters (pool or fused norm): CTAs that left, pool tickets, rows normalized
+NORM_RED_FLOATS = 32    # the fused norm's warp sums (the standalone RMSNorm's warps, at most 1024 / 32)
 WARPGROUP_ROWS = 64     # rows of one wgmma (flintgen.device.wgmma.WARPGROUP_ROWS)
 
 
@@ -129,7 +137,9 @@ class StreamConfig:
     ``finish_tokens``, the cp.async ring without TMA or L2 prefetch) and
     ``pool_steps`` (> 0: the last K steps of every block handed out one unit
     at a time as CTAs ask, StreamPlan; needs ``finish_tokens`` and the
-    cp.async ring without TMA, L2 prefetch or tail heads)."""
+    cp.async ring without TMA, L2 prefetch or tail heads) and ``fuse_norm``
+    (the step's RMSNorm computed by the GEMV's CTAs, no kernel of its own;
+    the cp.async ring)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -141,6 +151,7 @@ class StreamConfig:
     tma: bool = False
     tail_heads: int = 0
     pool_steps: int = 0
+    fuse_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.pool_steps < 0:
@@ -152,7 +163,7 @@ class StreamConfig:
                    stages=self.stages, warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
-                   tma=self.tma, tail_heads=self.tail_heads, pool_steps=self.pool_steps)
+                   tma=self.tma, tail_heads=self.tail_heads, pool_steps=self.pool_steps, fuse_norm=self.fuse_norm)
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -233,6 +244,7 @@ class StreamPlan:
     tma: bool = False        # the wgmma ring filled by TMA tensor copies (an mbarrier per stage)
     tail_heads: int = 0      # > 0: the units in two phases, these last heads second
     pool_steps: int = 0      # > 0: the last K steps of every block handed out one unit at a time (tickets)
+    fuse_norm: bool = False  # the step's RMSNorm computed by the GEMV's CTAs (flintgen.device.fused_norm)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -303,6 +315,9 @@ class StreamPlan:
                              f"finish_tokens > 0 (got {self.finish_tokens}), prefetch = 0 (got {self.prefetch}), "
                              f"tma = False (got {self.tma}), l2_prefetch = 0 (got {self.l2_prefetch}) and "
                              f"tail_heads = 0 (got {self.tail_heads})")
+        if self.fuse_norm and (self.prefetch or self.tma):
+            raise ValueError(f"StreamPlan: fuse_norm = True (the RMSNorm in the GEMV) feeds xn to the cp.async ring: "
+                             f"prefetch = {self.prefetch} must be 0 and tma = {self.tma} False")
         if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
@@ -482,10 +497,15 @@ class StreamPlan:
         return self.grid * self.slots_per_cta + self.pool_units
 
     @property
+    def launch_counters(self) -> bool:
+        """Whether the launch keeps the LAUNCH_COUNTERS after the heads' (reset by the last CTA to leave)."""
+        return bool(self.pool_steps or self.fuse_norm)
+
+    @property
     def counters(self) -> int:
-        """Arrival counters: one per head, then (pool) the ticket counter and the count of CTAs that left
-        the stream."""
-        return self.heads + (POOL_COUNTERS if self.pool_steps else 0)
+        """Arrival counters: one per head, then (pool or fused norm) the CTAs that left, the pool's tickets and
+        the rows normalized."""
+        return self.heads + (LAUNCH_COUNTERS if self.launch_counters else 0)
 
     @property
     def workspace_floats(self) -> int:
@@ -558,9 +578,9 @@ class StreamPlan:
 
     def smem_bytes_for(self, stages: int) -> int:
         """Ring (128-aligned, first; wgmma: 1024), the TMA ring's mbarriers (8 bytes a stage), head rows (16),
-        the flag (16), the pool's ticket queue (16)."""
+        the flag (16), the pool's ticket queue (16), the fused norm's warp sums (16)."""
         return (stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
-                + (POOL_QUEUE_BYTES if self.pool_steps else 0))
+                + (POOL_QUEUE_BYTES if self.pool_steps else 0) + (4 * NORM_RED_FLOATS if self.fuse_norm else 0))
 
     # ------------------------------------------------------------ register path
     @property

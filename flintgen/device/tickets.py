@@ -15,8 +15,9 @@ before the issue, so the ring's barrier makes it visible to every thread::
 A CTA's draws count up, so once one is past the pool every later one is:
 thread 0 stops drawing after storing the first such value (a few more may
 already be in flight). The counter is reset for the next launch by the last
-CTA to leave (``leave``): every draw of a CTA precedes its acq_rel count, and
-the next launch draws only after its grid-dependency wait.
+CTA to leave (flintgen.device.arrivals.leave): every draw of a CTA precedes
+its acq_rel count, and the next launch draws only after its grid-dependency
+wait.
 
 ``tick`` is a 3-entry register tensor of thread 0: the last two draws and
 whether the pool ran out. ``queue`` holds QUEUE int32 (a power of two above
@@ -28,12 +29,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
 from flintgen.configs.qkv_stream_plan import POOL_DRAW_AHEAD as DRAW_AHEAD, POOL_QUEUE as QUEUE
 from flintgen.device import ptx
 
-__all__ = ["DRAW_AHEAD", "QUEUE", "start", "step", "read", "leave"]
+__all__ = ["DRAW_AHEAD", "QUEUE", "start", "step", "read"]
 
 
 @cute.jit
@@ -69,12 +70,3 @@ def read(queue0, q):
     """Pool copy ``q``'s unit (>= the pool's size: none), stored before the last barrier (``q`` < 0: some
     slot, in range)."""
     return ptx.lds_i32(queue0 + Int32((q & (QUEUE - 1)) * 4))
-
-
-@cute.jit
-def leave(ticket_counter, left_counter, grid: cutlass.Constexpr[int], tid):
-    """Thread 0: this CTA draws no more; the last of the ``grid`` CTAs to leave resets both counters."""
-    if tid == 0:
-        if ptx.atomic_add_acq_rel(left_counter, Int32(1)) == grid - 1:
-            ptx.stg_i32_relaxed(ticket_counter, Int32(0))
-            ptx.stg_i32_relaxed(left_counter, Int32(0))

@@ -14,8 +14,9 @@ from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs.qkv_config import EpilogueLanes
-from flintgen.configs.qkv_stream_plan import (MAX_L2_PREFETCH, STREAM_STAGES, StreamConfig, StreamPlan,  # noqa: F401
-                                             stream_config)
+from flintgen.configs.qkv_stream_plan import (LAUNCH_COUNTERS, MAX_L2_PREFETCH, NORM_RED_FLOATS,  # noqa: F401
+                                             STREAM_STAGES, StreamConfig, StreamPlan, stream_config)
+from flintgen.configs.rms_norm_config import RMSNormConfig
 from flintgen.kernels.base import Target, Variant
 from flintgen.kernels.workspace import DeviceBuffers
 from flintgen.spec import Spec
@@ -48,6 +49,11 @@ def is_stream(v: Variant) -> bool:
     return dict(v.params).get("design") == DESIGN
 
 
+def fuses_norm(v: Variant) -> bool:
+    """Whether ``v`` computes the step's RMSNorm itself (the op then launches no RMSNorm kernel)."""
+    return is_stream(v) and bool(dict(v.params).get("fuse_norm"))
+
+
 @dataclass(frozen=True)
 class Arg:
     name: str
@@ -59,6 +65,8 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
     template renders every signature from it and the op passes its tensors by it."""
     T = "cute.Tensor"
     out = [Arg("xn", T), Arg("weight", T)]
+    if p.get("fuse_norm"):   # the step's RMSNorm in the kernel: its inputs, xn (above) and the residual out
+        out += [Arg("x", T), Arg("residual", T), Arg("residual_out", T), Arg("norm_weight", T)]
     if p["bias"]:
         out.append(Arg("bias", T))
     if p["qk_norm"]:
@@ -73,6 +81,8 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
         out.append(Arg("pre", T))
     if p["qk_norm"]:
         out.append(Arg("qk_eps", "Float32"))
+    if p.get("fuse_norm"):
+        out += [Arg("eps", "Float32"), Arg("has_residual", "Int32")]
     return out
 
 
@@ -82,7 +92,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
                       l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), tail_heads=p.get("tail_heads", 0),
-                      pool_steps=p.get("pool_steps", 0))
+                      pool_steps=p.get("pool_steps", 0), fuse_norm=p.get("fuse_norm", False))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -96,17 +106,21 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
-                          ("l2_prefetch", 0), ("tma", False), ("tail_heads", 0), ("pool_steps", 0)):
+                          ("l2_prefetch", 0), ("tma", False), ("tail_heads", 0), ("pool_steps", 0),
+                          ("fuse_norm", False)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
+    if cfg.fuse_norm and spec.norm_weight_offset:   # the RMSNorm weight's offset (Gemma: 1 + w)
+        p["rms_offset"] = spec.norm_weight_offset
     plan_of(p)   # raises where the shape does not fit
     return Variant.of("qkv", **p)
 
 
 def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
     plan = plan_of(p)
+    norm = RMSNormConfig.for_hidden(p["hidden"])   # the standalone RMSNorm the fused one reproduces
     kv = layout.kv_dtype(p["kv_dtype"])
     lanes = EpilogueLanes.of(p["head_dim"], p["rope_dim"] if p["rope"] else p["head_dim"], p["interleaved"])
     args = args_of(p)
@@ -132,6 +146,9 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
         "tma": plan.tma, "pool_steps": plan.pool_steps, "pool_units": plan.pool_units,
         "pool_slot0": plan.pool_slot(0), "n_counters": plan.counters,
+        "launch_counters": LAUNCH_COUNTERS if plan.launch_counters else 0, "fuse_norm": plan.fuse_norm,
+        "norm_threads": norm.threads, "norm_vecs": norm.vec_per_thread, "rms_offset": p.get("rms_offset", 0),
+        "norm_red_floats": NORM_RED_FLOATS,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
