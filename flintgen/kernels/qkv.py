@@ -543,5 +543,8 @@ class QKVOp:
 
         run(1, False)        # rms_norm without a residual, the 8-token tile
         run(1, True)         # rms_norm with one
+        if qkv_stream.fuses_norm(self._variants[self.tiles[0]]) and not all(
+                map(qkv_stream.fuses_norm, self._variants.values())):
+            self.norm_op().warmup(dev)   # the tiles that launch it (the 8-token one normalizes itself)
         for tile in self.tiles[1:]:
             run(tile, False)
