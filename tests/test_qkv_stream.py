@@ -420,6 +420,17 @@ KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16,
          "fused": StreamConfig(stages=6, wgmma=True, finish_tokens=8, pool_steps=2, fuse_norm=True)}
 
 
+def refresh_inputs(c, a, seed):
+    """Fresh inputs of ``c``'s spec and M copied into the argument tensors ``a`` in place (what a captured
+    graph reads at its next replay); the caches stay."""
+    from test_qkv import Case
+
+    fresh = Case(c.spec, c.m, seed=seed, n_slots=c.m)
+    for dst, src in zip(a, fresh.args()):
+        if isinstance(dst, torch.Tensor) and dst is not c.k_cache and dst is not c.v_cache:
+            dst.copy_(src)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 def test_stream_graph_replay_with_changed_inputs(kind):
@@ -441,10 +452,7 @@ def test_stream_graph_replay_with_changed_inputs(kind):
         with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
             op(*a, q_out=q_out, xn_out=xn)
         for r in range(3):
-            fresh = Case(spec, m, seed=1000 * r + m, n_slots=m)
-            for dst, src in zip(a, fresh.args()):
-                if isinstance(dst, torch.Tensor) and dst is not c.k_cache and dst is not c.v_cache:
-                    dst.copy_(src)
+            refresh_inputs(c, a, seed=1000 * r + m)
             c.poison()
             g.replay()
             torch.cuda.synchronize()
