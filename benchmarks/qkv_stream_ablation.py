@@ -41,7 +41,7 @@ PATCHES = {
     "ref": [],
     "no_mma": [(f"\n{_IN_LOOP}self.mma_unit(acc, ring0 + (j % STAGES) * STAGE_BYTES, warp, g, t)\n", "\n")],
     "no_sync": [(f"\n{_IN_LOOP}cute.arch.sync_threads()\n", "\n")],
-    "no_xn": [("self.issue_xn(xn, refill, un, tid, live, m)", "self.issue_xn(xn, refill, un, tid, Int32(0), m)")],
+    "no_xn": [("self.issue_xn(xn, stage, un, tid, live, m)", "self.issue_xn(xn, stage, un, tid, Int32(0), m)")],
     "no_finish": [("if ptx.lds_i32(ptx.smem_addr(flag)) == HEAD_UNITS:",
                    "if ptx.lds_i32(ptx.smem_addr(flag)) == HEAD_UNITS + 1000000000:"),
                   ("if tok0 < finishers * SLICE_TOKENS:", "if tok0 < -1:")],
