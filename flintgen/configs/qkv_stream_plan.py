@@ -497,15 +497,15 @@ class StreamPlan:
         return self.grid * self.slots_per_cta + self.pool_units
 
     @property
-    def launch_counters(self) -> bool:
-        """Whether the launch keeps the LAUNCH_COUNTERS after the heads' (reset by the last CTA to leave)."""
-        return bool(self.pool_steps or self.fuse_norm)
+    def launch_counters(self) -> int:
+        """The launch's own counters after the heads' (reset by the last CTA to leave): LAUNCH_COUNTERS with a
+        pool or the fused norm (the CTAs that left, the pool's tickets, the rows normalized), else none."""
+        return LAUNCH_COUNTERS if self.pool_steps or self.fuse_norm else 0
 
     @property
     def counters(self) -> int:
-        """Arrival counters: one per head, then (pool or fused norm) the CTAs that left, the pool's tickets and
-        the rows normalized."""
-        return self.heads + (LAUNCH_COUNTERS if self.launch_counters else 0)
+        """Arrival counters: one per head, then the launch's own."""
+        return self.heads + self.launch_counters
 
     @property
     def workspace_floats(self) -> int:

@@ -56,6 +56,10 @@ class RowNorm:
     def num_vecs(self) -> int:
         return self.hidden // 8
 
+    def scale(self, w):
+        """The weight's factor: ``w``, or (Gemma) ``w + offset`` in fp32."""
+        return w if self.offset == 0 else w + Float32(self.offset)
+
     def load_weight(self, weight_addr, tid):
         """This thread's weight vectors (its virtual threads'), zeros where none: ``[virtual, vecs, 4]`` words."""
         w = cute.make_rmem_tensor((self.virtual * self.vecs * 4,), Uint32)
@@ -120,14 +124,8 @@ class RowNorm:
                     if idx < self.num_vecs:
                         e = (k * self.vecs + v) * 8
                         q = (k * self.vecs + v) * 4
-                        o = [Uint32(0)] * 4
-                        for j in cutlass.range_constexpr(4):
-                            if cutlass.const_expr(self.offset == 0):
-                                o[j] = ptx.bf16x2(r[e + 2 * j] * rstd * ptx.bf16_lo(w[q + j]),
-                                                  r[e + 2 * j + 1] * rstd * ptx.bf16_hi(w[q + j]))
-                            else:
-                                o[j] = ptx.bf16x2(
-                                    r[e + 2 * j] * rstd * (ptx.bf16_lo(w[q + j]) + Float32(self.offset)),
-                                    r[e + 2 * j + 1] * rstd * (ptx.bf16_hi(w[q + j]) + Float32(self.offset)))
+                        o = [ptx.bf16x2(r[e + 2 * j] * rstd * self.scale(ptx.bf16_lo(w[q + j])),
+                                        r[e + 2 * j + 1] * rstd * self.scale(ptx.bf16_hi(w[q + j])))
+                             for j in range(4)]
                         ptx.stg_u32x4(xn_addr + row_off + Int64(idx) * 16, o[0], o[1], o[2], o[3])
         cute.arch.sync_threads()

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs.qkv_config import EpilogueLanes
-from flintgen.configs.qkv_stream_plan import (LAUNCH_COUNTERS, MAX_L2_PREFETCH, NORM_RED_FLOATS,  # noqa: F401
-                                             STREAM_STAGES, StreamConfig, StreamPlan, stream_config)
+from flintgen.configs.qkv_stream_plan import (MAX_L2_PREFETCH, NORM_RED_FLOATS, STREAM_STAGES,  # noqa: F401
+                                             StreamConfig, StreamPlan, stream_config)
 from flintgen.configs.rms_norm_config import RMSNormConfig
 from flintgen.kernels.base import Target, Variant
 from flintgen.kernels.workspace import DeviceBuffers
@@ -146,7 +146,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
         "tma": plan.tma, "pool_steps": plan.pool_steps, "pool_units": plan.pool_units,
         "pool_slot0": plan.pool_slot(0), "n_counters": plan.counters,
-        "launch_counters": LAUNCH_COUNTERS if plan.launch_counters else 0, "fuse_norm": plan.fuse_norm,
+        "launch_counters": plan.launch_counters, "fuse_norm": plan.fuse_norm,
         "norm_threads": norm.threads, "norm_vecs": norm.vec_per_thread, "rms_offset": p.get("rms_offset", 0),
         "norm_red_floats": NORM_RED_FLOATS,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
