@@ -18,7 +18,7 @@ import random
 import pytest
 
 from flintgen.configs import qkv_stream_plan as sp
-from flintgen.configs.qkv_stream_plan import POOL_DRAW_AHEAD, POOL_QUEUE, StreamConfig
+from flintgen.configs.qkv_stream_plan import POOL_DRAW_AHEAD, POOL_DRAW_LANES as tickets_lanes, POOL_QUEUE, StreamConfig
 
 # (hidden, head_dim, heads, ctas, max_m, pool_steps, wgmma)
 POOLED = [(4096, 128, 48, 132, 8, 13, True), (4096, 128, 48, 132, 16, 8, True), (3584, 128, 36, 132, 8, 12, True),
@@ -135,7 +135,7 @@ def _cta(p, c, counters, streamed, log):
     n = hi - lo
     stage = {}
     queue = _Queue()
-    tick = [0, 0, 0]
+    tick = [0] * tickets_lanes            # each drawing lane's pending ticket
 
     def refill(jn, it):
         live, u = jn < n, p.unit_of_range_unit(lo + jn)
@@ -148,19 +148,14 @@ def _cta(p, c, counters, streamed, log):
         assert prev is None or prev[0] == jn - S        # the stage's previous copy, consumed already
         stage[jn % S] = (jn, u if live else None)
 
-    def step(q, it):
+    def step(q, it):                       # tickets.step: lane q % LANES draws, lane (q - 2) % LANES stores
         if q < 0:
             return
         if q >= 2:
-            queue.store(q - 2, tick[1], it)
-            if tick[1] >= POOL:
-                tick[2] = 1
-        tick[1] = tick[0]
-        drawn = POOL
-        if tick[2] == 0:
-            drawn = counters[T]
+            queue.store(q - 2, tick[(q - 2) % tickets_lanes], it)
+        if tick[q % tickets_lanes] < POOL:
+            tick[q % tickets_lanes] = counters[T]
             counters[T] += 1
-        tick[0] = drawn
 
     def consume(j, unit):
         jj, u = stage[j % S]
@@ -193,11 +188,12 @@ def _cta(p, c, counters, streamed, log):
         refill(j + L, it)
         step(j + L + POOL_DRAW_AHEAD - n, it)
         consume(j, p.unit_of_pool_unit(pu))
-        counters[pu // p.pool_steps // p.blocks_per_head] += 1
         log.append((c, pu))
         pq += 1
         pu = queue.read(pq, it)
         it += 1
+    for _, pu in (e for e in log if e[0] == c):   # counted on their heads after the pool loop
+        counters[pu // p.pool_steps // p.blocks_per_head] += 1
     counters[LEFT] += 1                    # arrivals.leave (after the finish)
     if counters[LEFT] == p.grid:
         counters[LEFT:LEFT + sp.LAUNCH_COUNTERS] = [0] * sp.LAUNCH_COUNTERS

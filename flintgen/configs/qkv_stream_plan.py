@@ -110,6 +110,7 @@ MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when mergin
 MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next units' weights in registers
 POOL_QUEUE = 16         # pool tickets held in shared memory (a power of two above the ring's lookahead + 1)
 POOL_DRAW_AHEAD = 3     # a pool ticket is drawn this many ring iterations before its copy is issued
+POOL_DRAW_LANES = 4     # ... by lane q % 4 of warp 0 (each holds its ticket two iterations, draws every four)
 POOL_QUEUE_BYTES = 4 * POOL_QUEUE
 LAUNCH_COUNTERS = 3     # after the heads' counters (pool or fused norm): CTAs that left, pool tickets, rows normalized
 NORM_RED_FLOATS = 32    # the fused norm's warp sums (the standalone RMSNorm's warps, at most 1024 / 32)
@@ -578,9 +579,10 @@ class StreamPlan:
 
     def smem_bytes_for(self, stages: int) -> int:
         """Ring (128-aligned, first; wgmma: 1024), the TMA ring's mbarriers (8 bytes a stage), head rows (16),
-        the flag (16), the pool's ticket queue (16), the fused norm's warp sums (16)."""
+        the flag (16), the pool's ticket queue and its units per head (16 each), the fused norm's warp sums (16)."""
+        pool = POOL_QUEUE_BYTES + -(-4 * self.heads // 16) * 16 if self.pool_steps else 0
         return (stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
-                + (POOL_QUEUE_BYTES if self.pool_steps else 0) + (4 * NORM_RED_FLOATS if self.fuse_norm else 0))
+                + pool + (4 * NORM_RED_FLOATS if self.fuse_norm else 0))
 
     # ------------------------------------------------------------ register path
     @property

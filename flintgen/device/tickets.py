@@ -3,26 +3,32 @@ arrival order, for the streaming QKV GEMV's pool (flintgen.configs.qkv_stream_pl
 
 A CTA draws a unit with a relaxed ``atom.add`` on the pool's ticket counter
 (values count up from 0; a value >= ``limit`` means the pool is empty). The
-draw's latency (an L2 round trip) is hidden by drawing ahead: thread 0 draws
-the ticket of pool copy ``q`` ``DRAW_AHEAD`` ring iterations before the
-copy is issued, holds it in a register for two iterations and stores it to
-slot ``q % QUEUE`` of a shared-memory queue at the end of the iteration
+draw's latency (an L2 round trip, longer under the stream's load) is hidden
+by drawing ahead: lane ``q % LANES`` of warp 0 draws the ticket of pool copy
+``q`` ``DRAW_AHEAD`` ring iterations before the copy is issued and stores it
+to slot ``q % QUEUE`` of a shared-memory queue at the end of the iteration
 before the issue, so the ring's barrier makes it visible to every thread::
 
     iteration  i - 3 (= the draw)  i - 2   i - 1 (store)   i (issue: every thread reads it)
-    tick:      [0] <- atom          [1]     -> queue
+    lane q % 4: tick <- atom                 tick -> queue
 
-A CTA's draws count up, so once one is past the pool every later one is:
-thread 0 stops drawing after storing the first such value (a few more may
-already be in flight). The counter is reset for the next launch by the last
-CTA to leave (flintgen.device.arrivals.leave): every draw of a CTA precedes
-its acq_rel count, and the next launch draws only after its grid-dependency
-wait.
+Each of the LANES drawing lanes holds one ticket in a register from its draw
+to its store, two iterations later, and draws again two iterations after
+that: no instruction touches the atomic's result before the store, so the
+round trip may take up to two iterations without stalling the ring (a single
+drawing thread that moved each ticket along a register pipeline waited for
+every draw one iteration later: measured on the H200, qkv_stream_pool.md).
 
-``tick`` is a 3-entry register tensor of thread 0: the last two draws and
-whether the pool ran out. ``queue`` holds QUEUE int32 (a power of two above
-the ring's lookahead + 1: a slot is rewritten only after every read of its
-previous ticket).
+A CTA's draws count up in copy order (a draw and the next one, by another
+lane, are an iteration's barrier apart: the same counter's atomics in that order),
+so once one is past the pool every later one is: a lane stops drawing after storing such a value (a few more draws may already
+be in flight). The counter is reset for the next launch by the last CTA to
+leave (flintgen.device.arrivals.leave): every draw of a CTA precedes its
+acq_rel count, and the next launch draws only after its grid-dependency wait.
+
+``tick`` is a 1-entry register tensor: the drawing lane's pending ticket.
+``queue`` holds QUEUE int32 (a power of two above the ring's lookahead + 1:
+a slot is rewritten only after every read of its previous ticket).
 """
 
 from __future__ import annotations
@@ -31,39 +37,33 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flintgen.configs.qkv_stream_plan import POOL_DRAW_AHEAD as DRAW_AHEAD, POOL_QUEUE as QUEUE
+from flintgen.configs.qkv_stream_plan import POOL_DRAW_AHEAD as DRAW_AHEAD, POOL_DRAW_LANES as LANES, POOL_QUEUE as QUEUE
 from flintgen.device import ptx
 
-__all__ = ["DRAW_AHEAD", "QUEUE", "start", "step", "read"]
+__all__ = ["DRAW_AHEAD", "LANES", "QUEUE", "start", "step", "read"]
 
 
 @cute.jit
 def start(tick, queue0, tid):
-    """Thread 0's pipeline empty, the queue zeroed (read before its first tickets land, never used)."""
-    if tid == 0:
-        tick[0] = Int32(0)
-        tick[1] = Int32(0)
-        tick[2] = Int32(0)
+    """No ticket pending, the queue zeroed (read before its first tickets land, never used)."""
+    tick[0] = Int32(0)
     if tid < QUEUE:
         ptx.sts_i32(queue0 + Int32(tid * 4), Int32(0))
 
 
 @cute.jit
 def step(tick, queue0, counter, q: Int32, limit: cutlass.Constexpr[int], tid):
-    """Thread 0, once per ring iteration: store the ticket of pool copy ``q - 2`` (drawn two
-    iterations ago; ``limit`` once the pool ran out) and draw the ticket of pool copy ``q``.
+    """Once per ring iteration (every thread calls it; lanes of warp 0 act): lane ``(q - 2) % LANES``
+    stores the ticket of pool copy ``q - 2`` (drawn two iterations ago) and lane ``q % LANES`` draws the
+    ticket of pool copy ``q`` unless its last one (copy ``q - LANES``, stored) was past the pool.
     Iterations with ``q < 0`` do nothing (the pool's first copy is further ahead)."""
-    if tid == 0:
-        if q >= 0:
-            if q >= 2:
-                ptx.sts_i32(queue0 + Int32(((q - 2) & (QUEUE - 1)) * 4), tick[1])
-                if tick[1] >= limit:
-                    tick[2] = Int32(1)
-            tick[1] = tick[0]
-            drawn = Int32(limit)
-            if tick[2] == 0:
-                drawn = ptx.atomic_add_relaxed(counter, Int32(1))
-            tick[0] = drawn
+    if q >= 0:
+        if q >= 2:
+            if tid == (q - 2) & (LANES - 1):
+                ptx.sts_i32(queue0 + Int32(((q - 2) & (QUEUE - 1)) * 4), tick[0])
+        if tid == q & (LANES - 1):
+            if tick[0] < limit:
+                tick[0] = ptx.atomic_add_relaxed(counter, Int32(1))
 
 
 def read(queue0, q):
