@@ -362,7 +362,7 @@ def test_pool_compiles_clean(name, max_m, cfg):
     p, ptx = _compiled(_spec(name), cfg, max_m)
     assert p["pool_steps"] == cfg.pool_steps and p["n_counters"] == p["q_heads"] + 2 * p["kv_heads"] + 3
     wait = ptx.index("griddepcontrol.wait")
-    draws = [i for i in range(len(ptx)) if ptx.startswith("atom.relaxed.gpu.global.add.s32", i)]
+    draws = [i for i in range(len(ptx)) if ptx.startswith("atom.relaxed.gpu.global.inc.u32", i)]
     assert len(draws) == p["max_segments"] + 1 and min(draws) > wait
     assert ptx.count("atom.acq_rel.gpu.global.add.s32") == p["slots_per_cta"] + 1 + 1 + p["max_owned"]
     assert ptx.count("st.relaxed.gpu.global.s32") == 3 + p["max_owned"]   # the launch counters' resets, departures

@@ -1,7 +1,7 @@
 """Tickets of a work pool (cute DSL): units handed out one at a time in
 arrival order, for the streaming QKV GEMV's pool (flintgen.configs.qkv_stream_plan).
 
-A CTA draws a unit with a relaxed ``atom.add`` on the pool's ticket counter
+A CTA draws a unit with a relaxed ``atom.inc`` (ptx.atomic_inc_relaxed) on the pool's ticket counter
 (values count up from 0; a value >= ``limit`` means the pool is empty). The
 draw's latency (an L2 round trip, longer under the stream's load) is hidden
 by drawing ahead: lane ``q % LANES`` of warp 0 draws the ticket of pool copy
@@ -63,7 +63,7 @@ def step(tick, queue0, counter, q: Int32, limit: cutlass.Constexpr[int], tid):
                 ptx.sts_i32(queue0 + Int32(((q - 2) & (QUEUE - 1)) * 4), tick[0])
         if tid == q & (LANES - 1):
             if tick[0] < limit:
-                tick[0] = ptx.atomic_add_relaxed(counter, Int32(1))
+                tick[0] = ptx.atomic_inc_relaxed(counter)
 
 
 def read(queue0, q):

@@ -28,7 +28,7 @@ REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "cp.a
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 WGMMA_PTX = ("wgmma.mma_async.sync.aligned", "fence.proxy.async.shared::cta", "wgmma.wait_group.sync.aligned")
-POOL_PTX = ("atom.relaxed.gpu.global.add.s32",)   # the pool's ticket draws (flintgen.device.tickets)
+POOL_PTX = ("atom.relaxed.gpu.global.inc.u32",)   # the pool's ticket draws (flintgen.device.tickets)
 TMA_PTX = ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes", "mbarrier.try_wait",
            "elect.sync")
 
