@@ -128,7 +128,7 @@ class _Queue:
 def _cta(p, c, counters, streamed, log):
     """One CTA of the template's ring path with a pool, as a generator that yields at each barrier of the
     ring (the interleaving points). Mirrors qkv_stream.py.j2: prologue copies, the grid wait, the range's
-    segments (refill + tickets.step + consume per iteration), the pool loop, tickets.leave."""
+    segments (refill + tickets.step + consume per iteration), the pool loop, count_segments, tickets.leave."""
     L, S, POOL, LEFT = p.lookahead, p.ring_stages, p.pool_units, p.heads
     T = LEFT + 1                           # counters: heads', then CTAs that left, tickets, rows normalized
     lo, hi = p.lo(c), p.lo(c + 1)
@@ -168,6 +168,7 @@ def _cta(p, c, counters, streamed, log):
     yield "wait"
     it = 0
     first_block = lo // p.range_steps
+    seg_counts = []
     for seg in range(p.max_segments):
         blk = first_block + seg
         a, e = max(lo, blk * p.range_steps), min(hi, blk * p.range_steps + p.range_steps)
@@ -179,7 +180,7 @@ def _cta(p, c, counters, streamed, log):
             consume(j, p.unit_of_range_unit(h))
             it += 1
         if a < e:
-            counters[blk // p.blocks_per_head] += e - a
+            seg_counts.append((blk, e - a))
     pq = 0
     pu = queue.read(pq, it)
     while pu < POOL:
@@ -192,7 +193,9 @@ def _cta(p, c, counters, streamed, log):
         pq += 1
         pu = queue.read(pq, it)
         it += 1
-    for _, pu in (e for e in log if e[0] == c):   # counted on their heads after the pool loop
+    for blk, units in seg_counts:          # count_segments: the range's segments, then the pool units, on their heads
+        counters[blk // p.blocks_per_head] += units
+    for _, pu in (e for e in log if e[0] == c):
         counters[pu // p.pool_steps // p.blocks_per_head] += 1
     counters[LEFT] += 1                    # arrivals.leave (after the finish)
     if counters[LEFT] == p.grid:
