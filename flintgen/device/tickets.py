@@ -15,16 +15,16 @@ before the issue, so the ring's barrier makes it visible to every thread::
 Each of the LANES drawing lanes holds one ticket in a register from its draw
 to its store, two iterations later, and draws again two iterations after
 that: no instruction touches the atomic's result before the store, so the
-round trip may take up to two iterations without stalling the ring (a single
-drawing thread that moved each ticket along a register pipeline waited for
-every draw one iteration later: measured on the H200, qkv_stream_pool.md).
+round trip may take up to two iterations without stalling the ring (the
+draw is ``atom.inc``, not ``add``, for the same reason: ptx.atomic_inc_relaxed).
 
 A CTA's draws count up in copy order (a draw and the next one, by another
-lane, are an iteration's barrier apart: the same counter's atomics in that order),
-so once one is past the pool every later one is: a lane stops drawing after storing such a value (a few more draws may already
-be in flight). The counter is reset for the next launch by the last CTA to
-leave (flintgen.device.arrivals.leave): every draw of a CTA precedes its
-acq_rel count, and the next launch draws only after its grid-dependency wait.
+lane, are an iteration's barrier apart: the same counter's atomics in that
+order), so once one is past the pool every later one is: a lane stops drawing
+after storing such a value (a few more draws may already be in flight). The
+counter is reset for the next launch by the last CTA to leave
+(flintgen.device.arrivals.leave): every draw of a CTA precedes its acq_rel
+count, and the next launch draws only after its grid-dependency wait.
 
 ``tick`` is a 1-entry register tensor: the drawing lane's pending ticket.
 ``queue`` holds QUEUE int32 (a power of two above the ring's lookahead + 1:
