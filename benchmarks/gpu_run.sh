@@ -41,6 +41,9 @@
 #                                               # compute-sanitizer's four tools over its first shape
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep (best of 3)
 #   bash benchmarks/gpu_run.sh sweep-passes     # the same, 8 interleaved passes, XQA-fp8 beside the fp8 rows
+#   bash benchmarks/gpu_run.sh sweep-fp8-row    # sweep run 22 (the fp8 64/8 B=128 row), 16 interleaved passes with
+#                                               # XQA-fp8, clocks / power / temperatures sampled ($OUT/smi.csv),
+#                                               # then that row of the fp8 table (FP8_RUNS runs) on the warm machine
 #   bash benchmarks/gpu_run.sh qkv-fp8-ablation # what the QKV step's fp8 write costs, variant by variant, 5 runs
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
 #   bash benchmarks/gpu_run.sh qkv-timeline     # per-CTA stamps of the RMSNorm + QKV step and the GEMV alone
@@ -139,6 +142,14 @@ for what in "$@"; do
                    tests/test_decode_attention_grid.py tests/test_decode_attention_fp8.py -k "cluster_sizes and 0" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
+        sweep-fp8-row) q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory
+               nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv,noheader -lms 100 > "$OUT/smi.csv" 2>&1 &
+               smi=$!; sleep 1
+               kill -0 $smi 2>/dev/null || { nvidia-smi --query-gpu=$q --format=csv,noheader -lms 100 > "$OUT/smi.csv" 2>&1 & smi=$!; }
+               python3 -m benchmarks.decode_attention_sweep --passes 16 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -8
+               python3 -m benchmarks.decode_attention --fp8 --runs "${FP8_RUNS:-7}" --rows '64/8 d128 B=128 L=8k' 2>&1 \
+                   | tee "$OUT/fp8_rows.log" | tail -6
+               kill $smi ;;
         qkv-fp8-ablation) python3 -m benchmarks.qkv_fp8_ablation --runs 5 2>&1 | tee "$OUT/qkv_fp8_ablation.log" | tail -50 ;;
         qkv-timeline) python3 -m benchmarks.qkv_timeline 2>&1 | tee "$OUT/qkv_timeline.log" | tail -40 ;;
         decode-step) for b in 8 64; do python3 examples/decode_step.py --batch "$b"; done 2>&1 \

@@ -196,7 +196,8 @@ def gemv_fn(spec, t, cfg=None, m=1):
 def report_specs():
     """--shapes: (spec, token counts) per hidden size and weight format."""
     base = flintgen.get_preset("flint").replace(sliding_window=None, layer_types=("full",), sinks=False, tp_size=1)
-    shapes = [("qwen3-0.6b", 1024, 16, 8, False, True), ("qwen2.5-7b", 3584, 28, 4, True, False),
+    shapes = [("qwen3-0.6b", 1024, 16, 8, False, True), ("llama-3.2-3b", 3072, 24, 8, False, False),
+              ("qwen2.5-7b", 3584, 28, 4, True, False),
               ("qwen2.5-14b", 5120, 40, 8, True, False), ("llama-3-70b", 8192, 64, 8, False, False)]
     return [(base.replace(name=f"{n}-{fmt}", hidden_size=h, num_q_heads=q, num_kv_heads=kv, qkv_bias=bias,
                           qk_norm=qk, weight_format=fmt), (1, 8))
