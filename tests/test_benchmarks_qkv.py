@@ -150,7 +150,7 @@ def test_stream_shapes_mode(monkeypatch):
     plan, name = bq.mode_plan()
     assert name == "qkv_stream_shapes"
     assert [(s.hidden_size, s.weight_format, s.max_tokens, ms) for s, ms in plan] == [
-        (h, "bf16", 64, (1, 8, 64)) for h in (1024, 3584, 5120, 8192)]
+        (h, "bf16", 64, (1, 8, 64)) for h in (1024, 3072, 3584, 5120, 8192)]
     for s, _ in plan:
         for label, cfg, kd in bq.stream_configs():
             for t in token_tiles(s.max_tokens):

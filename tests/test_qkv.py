@@ -378,7 +378,8 @@ def test_l2_prefetch_variant_compiles_clean(name):
 
     spec = SPECS[name]
     v = KDEF.variant(spec, config=replace(cluster_config(spec), l2_prefetch=True))
-    assert dict(v.params)["l2_prefetch"] is True and "l2_prefetch" not in dict(KDEF.variant(spec, config=cluster_config(spec)).params)
+    off = KDEF.variant(spec, config=replace(cluster_config(spec), l2_prefetch=False))
+    assert dict(v.params)["l2_prefetch"] is True and "l2_prefetch" not in dict(off.params)
     load_variant(KDEF, spec, v, T132)
     res, ptx = check_compiled(KDEF, spec, v, T132)
     assert res["registers"] <= 128, res
@@ -391,7 +392,8 @@ def cluster_config(spec, max_m: int = 8) -> QKVConfig:
     """The cluster design's configuration of the tile (production where the op
     does not stream it: bf16 from hidden 3584 streams the 8-token tile too,
     tests/test_qkv_stream.py; the cluster design stays selectable there)."""
-    return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m)
+    return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m,
+                                    out_features=spec.qkv_out_features)
 
 
 def check_design_ptx(ptx: str, spec) -> None:
@@ -699,11 +701,12 @@ def test_check_inputs_rejects_positions_past_table(ops, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_chain_of_layers_reusing_buffers_is_race_free(ops):
+@pytest.mark.parametrize("name", ["flint", "flint_bf16"])   # flint_bf16: weights prefetched into L2 (its rule)
+def test_chain_of_layers_reusing_buffers_is_race_free(ops, name):
     """L layers back to back with PDL on shared xn / q / residual buffers must
     give the same bits as the same layers separated by synchronizations."""
-    op = _get(ops, "flint")
-    layers = [Case(FLINT, 8, seed=50 + i, n_slots=8) for i in range(6)]
+    op, spec = _get(ops, name), SPECS[name]
+    layers = [Case(spec, 8, seed=50 + i, n_slots=8) for i in range(6)]
     for i, c in enumerate(layers):                  # every layer writes its own 8 slots
         c.slots = torch.arange(8 * i, 8 * i + 8, device="cuda")
         c.k_cache, c.v_cache = layers[0].k_cache, layers[0].v_cache
@@ -712,7 +715,7 @@ def test_chain_of_layers_reusing_buffers_is_race_free(ops):
     def chain(sync):
         res = layers[0].residual.clone()
         xn = torch.empty_like(x0)
-        q = torch.empty(8, FLINT.num_q_heads * 128, dtype=torch.bfloat16, device="cuda")
+        q = torch.empty(8, spec.num_q_heads * 128, dtype=torch.bfloat16, device="cuda")
         layers[0].k_cache.fill_(float("nan"))
         layers[0].v_cache.fill_(float("nan"))
         torch.cuda.synchronize()

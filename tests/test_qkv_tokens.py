@@ -114,6 +114,17 @@ def test_config_per_tile():
     assert [C.min_ctas_per_sm(t, 100_000) for t in qc.TOKEN_TILES] == [0, 0, 0, 0]
     assert [C.min_ctas_per_sm(t, 120_000) for t in qc.TOKEN_TILES] == [0, 1, 1, 1]
     assert [C.early_tokens(t) for t in qc.TOKEN_TILES] == [True, False, False, False]
+    # L2 prefetch: BF16 weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES at the 8-token tile only
+    rows = lambda q, kv, d=128: (q + 2 * kv) * d   # noqa: E731
+    assert C.from_heuristic(2048, 128, "bf16", 8, out_features=rows(32, 4)).l2_prefetch            # flint-bf16, 21 MB
+    assert C.from_heuristic(1024, 128, "bf16", 8, out_features=rows(16, 8)).l2_prefetch            # qwen3-0.6b, 8 MB
+    assert not C.from_heuristic(3072, 128, "bf16", 8, out_features=rows(24, 8)).l2_prefetch        # 31.5 MB
+    assert not C.from_heuristic(2048, 128, "bf16", 16, out_features=rows(32, 4)).l2_prefetch       # 16 tokens
+    assert not C.from_heuristic(2048, 128, "nvfp4", 8, out_features=rows(32, 4)).l2_prefetch       # NVFP4
+    assert not C.from_heuristic(2048, 128, "bf16", 8).l2_prefetch                                 # rows unknown
+    edge = qc.L2_PREFETCH_MAX_WEIGHT_BYTES // (2 * 2048)
+    assert C.from_heuristic(2048, 128, "bf16", 8, out_features=edge).l2_prefetch
+    assert not C.from_heuristic(2048, 128, "bf16", 8, out_features=edge + 128).l2_prefetch
     with pytest.raises(ValueError, match=r"max_m = 12 is not a token tile: use one of \[8, 16, 32, 64\]"):
         C.from_heuristic(2048, 128, "nvfp4", 12)
 
@@ -301,7 +312,7 @@ def test_tile_debug_and_other_configs_compile_clean():
 
 # ----------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flint", "bf16_4096"])
+@pytest.mark.parametrize("name", ["flint", "bf16_4096", "flint_bf16"])   # flint_bf16 M <= 8: L2 prefetch
 def test_graph_replay_per_token_tile(name):
     """After warmup, a CUDA graph captured at any M replays that M's binary
     (launch shape a function of its tile alone) and matches an eager call."""

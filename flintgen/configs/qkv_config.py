@@ -32,6 +32,11 @@ CTA_SMEM_RESERVED = 1024  # shared memory the hardware reserves per CTA (sm_90)
 # dequantized before the grid wait: flint's 32-row CTAs use 88 (+ 38 others =
 # 126), so two 256-thread CTAs still fit an SM (160 CTAs, one wave).
 EARLY_DEQUANT_REG_BUDGET = 88
+# BF16 weights (per rank) of at most this many bytes are prefetched into L2
+# before the grid wait at the 8-token tile (``from_heuristic``): about half of
+# Hopper's 50 MB L2, between the largest set measured to gain (21 MB) and the
+# smallest measured to lose (31.5 MB).
+L2_PREFETCH_MAX_WEIGHT_BYTES = 24 << 20
 # Hidden sizes of the fused QKV step (the GEMV's and the RMSNorm's): multiples
 # of K_STEP in this range, compiled spill-free (tests/test_qkv_grid.py).
 HIDDEN_RANGE = (512, 16384)
@@ -156,7 +161,7 @@ class QKVConfig:
 
     @classmethod
     def from_heuristic(cls, hidden: int, head_dim: int, weight_format: str,
-                       max_m: int = MMA_N) -> "QKVConfig":
+                       max_m: int = MMA_N, out_features: int = 0) -> "QKVConfig":
         """Measured on an H200 (benchmarks/results/qkv_correctness.md; GEMV
         kernel alone, CUDA-graph replay, weights rotating beyond L2):
 
@@ -195,6 +200,15 @@ class QKVConfig:
           gives up to shared memory anyway); the epilogue's token inputs
           after the main loop (``early_tokens``); a ptxas launch bound of one
           CTA per SM where shared memory admits no more (``min_ctas_per_sm``).
+        * l2_prefetch (``out_features``: the weight's rows, 0 = unknown: off):
+          BF16 at the 8-token tile with at most L2_PREFETCH_MAX_WEIGHT_BYTES
+          of weights (benchmarks/results/qkv_stream_launch.md, run 5, H100,
+          M = 1 / 8, step then GEMV, us): flint-bf16 (21 MB) 10.04 -> 9.45
+          / 10.28 -> 9.74 and 9.12 -> 8.76 / 9.42 -> 9.10 (H200, run 3: step
+          8.00 -> 7.54); qwen3-0.6b (8 MB) level within 0.03; llama-3.2-3b
+          (31.5 MB) slower: step +0.31 / +0.07, GEMV +0.56 / +0.39 (the
+          prefetched lines are evicted before they are read). NVFP4 keeps it
+          off (unmeasured).
         """
         check_hidden(hidden)
         if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -217,7 +231,9 @@ class QKVConfig:
         prefetch = max(1, min(per_warp, budget // cls.regs_per_step(weight_format, tiles)))
         early = (cls.early_steps(prefetch, tiles)
                  if weight_format == "nvfp4" and rows == 32 and max_m == MMA_N else 0)
-        return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch, early_dequant=early)
+        l2 = (weight_format == "bf16" and max_m == MMA_N
+              and 0 < out_features * hidden * 2 <= L2_PREFETCH_MAX_WEIGHT_BYTES)
+        return cls(rows=rows, cluster=cluster, warps=warps, prefetch=prefetch, early_dequant=early, l2_prefetch=l2)
 
     @classmethod
     def tile_regs(cls, tiles: int, max_m: int, steps_per_warp: int) -> int:

@@ -89,7 +89,8 @@ class QKVDef(KernelDef):
                                           heads=spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank)
         if stream is not None:
             return stream
-        return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m)
+        return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m,
+                                        out_features=spec.qkv_out_features)
 
     def variant(self, spec: Spec, *, debug: bool = False, config: QKVConfig | qkv_stream.StreamConfig | None = None,
                 max_m: int = MMA_N, target: Target | None = None) -> Variant:
