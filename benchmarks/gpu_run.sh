@@ -18,20 +18,9 @@
 #                                               # the TMA ring (T, TL), at 8 tokens (s8gt), 2 CTAs per SM
 #                                               # (s4c2gt[l8]; s4c2gtf16l8: heads finished in 16-token slices)
 #   bash benchmarks/gpu_run.sh ab-tests         # the GPU tests of those launch options (L2 prefetch, TMA)
-#   bash benchmarks/gpu_run.sh stream-tail      # the op's QKV step at M = 16 / 32 / 64 against two phases
-#                                               # (h: tail heads streamed second, f8: 8-token finishing slices)
-#   bash benchmarks/gpu_run.sh tail-tests       # the GPU tests of two phases, then compute-sanitizer over two
 #   bash benchmarks/gpu_run.sh stream-shapes    # hidden 1024..8192 BF16 (qkv_shapes' models): the op's design per
 #                                               # token tile against the wgmma ring of 8 stages at M = 1, 8, 64
 #   bash benchmarks/gpu_run.sh ab-sanitize      # compute-sanitizer's four tools over three of them
-#   bash benchmarks/gpu_run.sh stream-pool      # the op's QKV step at M = 1..16 against the ring with a pool of
-#                                               # 2..20 K steps per block handed out as CTAs ask (d), f8 alone,
-#                                               # and with the RMSNorm fused into the GEMV (n)
-#                                               # (results: qkv_stream_pool.md)
-#   bash benchmarks/gpu_run.sh stream-pool-shapes  # the same at M = 1 / 8 on qkv_shapes' BF16 models (hidden 1024..8192;
-#                                               # the pools a shape cannot take are skipped, with why)
-#   bash benchmarks/gpu_run.sh pool-tests       # the pool's and the fused norm's GPU tests, then compute-sanitizer's
-#                                               # four tools over a pool case, a fused one and the mma.sync ring's
 #   bash benchmarks/gpu_run.sh tile8-tests      # the 8-token tile's streaming rule (hidden >= 3584): test_qkv's
 #                                               # numerics of those specs, graph replay per token tile
 #   bash benchmarks/gpu_run.sh qkv-fp8-tests    # every fp8 QKV GPU test (both designs)
@@ -100,29 +89,8 @@ for what in "$@"; do
                       "$S::test_stream_layers_back_to_back_race_free[tma]"; exit $((r1 || $?)); } 2>&1 \
                    | tee "$OUT/ab_tests.log" | tail -15
                rc=$((rc || PIPESTATUS[0])) ;;
-        stream-tail) python3 -m benchmarks.qkv --stream --ms 16,32,64 --no-fill --configs s6gf8,s6gf8h8,s6gf8h12,s6gf8h16 \
-               2>&1 | tee "$OUT/qkv_stream_tail.log" | tail -40 ;;
         stream-shapes) python3 -m benchmarks.qkv --stream --shapes --ms 1,8,64 --no-fill --configs s8g \
                2>&1 | tee "$OUT/qkv_stream_shapes.log" | tail -30 ;;
-        tail-tests) S=tests/test_qkv_stream.py
-               python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx $S -k "f8gh or f8h or h20 or tail" 2>&1 \
-                   | tee "$OUT/tail_tests.log" | tail -15
-               rc=$((rc || PIPESTATUS[0]))
-               sanitize_stream tail_sanitize "finish_numerics and (flint_bf16-M33-f8gh10 or d96_r24-M57-f8h12)" ;;
-        stream-pool) python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16 --no-fill --results qkv_stream_pool \
-                   --configs s8gf8,s8gf8d2,s8gf8d4,s8gf8d8,s8gf8d13,s8gf8d20,s8gn,s8gf8d13n 2>&1 \
-                   | tee "$OUT/qkv_stream_pool.log" | tail -60 ;;
-        stream-pool-shapes) python3 -m benchmarks.qkv --stream --shapes --ms 1,8 --no-fill --results qkv_stream_pool_shapes \
-                   --configs s8gf8,s8gf8d8,s8gf8d13 2>&1 | tee "$OUT/qkv_stream_pool_shapes.log" | tail -40 ;;
-        pool-tests) S=tests/test_qkv_stream.py
-               python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream_pool.py \
-                   tests/test_qkv_fused_norm.py "$S::test_stream_graph_replay_with_changed_inputs" \
-                   "$S::test_stream_layers_back_to_back_race_free" -k "not (replay or back_to_back) or pool or fused" \
-                   2>&1 | tee "$OUT/pool_tests.log" | tail -15
-               rc=$((rc || PIPESTATUS[0]))
-               bash tools/sanitize.sh pool "${POOL_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                   tests/test_qkv_stream_pool.py tests/test_qkv_fused_norm.py \
-                   -k "t8-M5-s8w1gf8d13 or (pool and d96_r24) or equals_unfused and t8-M5" ;;
         ab-sanitize) sanitize_stream ab_sanitize "other_configs and (s8w1gt-M1 or s6w1gtf32l8-M64 or s8w1gl8-M1)" ;;
         tile8-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv.py tests/test_qkv_tokens.py \
                    -k "(test_numerics and not other_launch and (bf16_4096 or glm4 or h16384_bf16)) or graph_replay_per_token_tile" \

@@ -128,10 +128,7 @@ class Layers:
         ws, counters = op._workspace.get(self.x.device)
         named = dict(xn=self.xn, weight=w[0], bias=self.bias, q_norm_weight=self.qn, k_norm_weight=self.kn,
                      cos_sin=self.cs, positions=self.pos, slot_mapping=self.slots, q=self.q, k_cache=self.k,
-                     v_cache=self.v, workspace=ws, counters=counters, qk_eps=1e-6, **self.kv_kw,
-                     # a fused norm's (StreamConfig.fuse_norm: its "GEMV" is the whole step), residual in place
-                     x=self.x, residual=self.res, residual_out=self.res, norm_weight=self.norm_w, eps=1e-6,
-                     has_residual=1)
+                     v_cache=self.v, workspace=ws, counters=counters, qk_eps=1e-6, **self.kv_kw)
         return [named[a.name] for a in qkv_stream.args_of(p)]
 
 
@@ -247,8 +244,7 @@ def stream_configs():
     """--stream: (label, config, kernel def) of the designs timed per M. ``--configs w2,s6,w2s6,p3c2,s6g,L,L8,T,TL``
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
-    prefetched into L2 before the grid-dependency wait, h: tail heads streamed in a second phase, d: K steps of each
-    block in the pool handed out as CTAs ask, n: the RMSNorm fused into the GEMV) and the op's own configs with L2 prefetch (L: whole
+    prefetched into L2 before the grid-dependency wait) and the op's own configs with L2 prefetch (L: whole
     ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8;
     ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A config a spec cannot take
     (its plan refuses the shape) is skipped on that spec, with a line saying why (``usable``)."""
@@ -265,20 +261,16 @@ def stream_configs():
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
                 out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
                 continue
-            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?(?:h(\d+))?"
-                                 r"(?:d(\d+))?(n)?", c)
+            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
-                                 "f<tokens>l<units>h<heads>d<steps>[n] (in that order, each part optional), T, L, L<units>, TL, "
+                                 "f<tokens>l<units> (in that order, each part optional), T, L, L<units>, TL, "
                                  "TL<units>")
-            w, st, p, cs, g, tma, f, l2, tail, pool, fuse = parts.groups()
+            w, st, p, cs, g, tma, f, l2 = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
                                                                 wgmma=g is not None, finish_tokens=int(f or 0),
-                                                                l2_prefetch=int(l2 or 0), tma=tma is not None,
-                                                                tail_heads=int(tail or 0), pool_steps=int(pool or 0),
-                                                                fuse_norm=fuse is not None),
-                        KDEF))
+                                                                l2_prefetch=int(l2 or 0), tma=tma is not None), KDEF))
     return out
 
 

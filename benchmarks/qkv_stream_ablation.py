@@ -47,8 +47,8 @@ PATCHES = {
                   ("if tok0 < finishers * SLICE_TOKENS:", "if tok0 < -1:")],
     "no_wait": [("arrivals.wait_count(counter, Int32(HEAD_UNITS), tid)", "cute.arch.sync_threads()")],
     "one_part": [("for k in cutlass.range_constexpr(MAX_CONTRIB):", "for k in cutlass.range_constexpr(1):"),
-                 ("MERGE_SLOTS = min(MERGE_TERMS, MERGE_FLOATS", "MERGE_SLOTS = min(1, MERGE_FLOATS"),
-                 ("for s0 in cutlass.range_constexpr(0, MERGE_TERMS, MERGE_SLOTS):",
+                 ("MERGE_SLOTS = min(MAX_CONTRIB, MERGE_FLOATS", "MERGE_SLOTS = min(1, MERGE_FLOATS"),
+                 ("for s0 in cutlass.range_constexpr(0, MAX_CONTRIB, MERGE_SLOTS):",
                   "for s0 in cutlass.range_constexpr(0, 1, MERGE_SLOTS):")],
 }
 KDEF = QKVDef()

@@ -462,12 +462,6 @@ def _ptx(gmem):
     p.stg_f32x2 = lambda addr, a, b: gmem.write(int(addr), np.float32, [a, b])
     p.st_cluster_f32x2 = lambda addr, a, b: _smem_write(int(addr), np.float32, [a, b])
     p.rcp_approx = _rcp_ftz
-    # the RMSNorm (rms_norm.py.j2 and flintgen.device.fused_norm: emulate_rows)
-    p.bf16_lo = lambda w: np.array([(int(w) << 16) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
-    p.bf16_hi = lambda w: np.array([int(w) & 0xFFFF0000], dtype=np.uint32).view(np.float32)[0]
-    p.rsqrt = lambda x: np.float32(1.0 / np.sqrt(np.float64(np.float32(x))))
-    p.ldg_weight_u32x4 = lambda addr, pred: (tuple(int(x) for x in gmem.read(int(addr), np.uint32, 4)) if pred
-                                             else (0, 0, 0, 0))
     return p
 
 
@@ -573,9 +567,9 @@ def _device_imports(source: str) -> set:
     return out
 
 
-def load(source: str, gmem: GlobalMemory, modules=_DEVICE_MODULES):
-    """Exec the rendered kernel module and its device modules (``modules``, in
-    dependency order) against mocks; returns the kernel module's namespace."""
+def load(source: str, gmem: GlobalMemory):
+    """Exec the rendered kernel module and its device modules against mocks;
+    returns the kernel module's namespace."""
     import os
 
     import flintgen.device as real_dev
@@ -607,28 +601,28 @@ def load(source: str, gmem: GlobalMemory, modules=_DEVICE_MODULES):
     ptx_mod.__dict__.update(vars(ptx))
     dev = types.ModuleType("flintgen.device")
     dev.__path__ = []
-    dev.ptx = dev.attn_ptx = dev.ldst = ptx_mod
+    dev.ptx = dev.attn_ptx = ptx_mod
     mods = {"cutlass": cutlass, "cutlass.cute": cute, "cutlass.cute.runtime": runtime, "cutlass.memory": memory,
             "cuda": types.ModuleType("cuda"), "cuda.bindings": types.ModuleType("cuda.bindings"),
             "cuda.bindings.driver": driver, "flintgen.device": dev, "flintgen.device.ptx": ptx_mod,
-            "flintgen.device.attn_ptx": ptx_mod, "flintgen.device.ldst": ptx_mod}
+            "flintgen.device.attn_ptx": ptx_mod}
     # Every device module the kernel imports runs here against the mocks: one
     # missing from _DEVICE_MODULES would be the real (cute) module, or a real
     # one some compile left in sys.modules, called from emulator threads.
-    paths = {n: os.path.join(os.path.dirname(real_dev.__file__), n + ".py") for n in modules}
+    paths = {n: os.path.join(os.path.dirname(real_dev.__file__), n + ".py") for n in _DEVICE_MODULES}
     texts = {}
     for n, path in paths.items():
         with open(path) as f:
             texts[n] = f.read()
     unknown = (set().union(*map(_device_imports, [source, *texts.values()]))
-               - set(modules) - {"ptx", "attn_ptx", "ldst"})
+               - set(_DEVICE_MODULES) - {"ptx", "attn_ptx"})
     if unknown:
         raise AssertionError(f"the kernel imports flintgen.device modules the emulator does not load: "
                              f"{sorted(unknown)}; add them to da_emulator._DEVICE_MODULES")
-    saved = {k: sys.modules.get(k) for k in list(mods) + [f"flintgen.device.{n}" for n in modules]}
+    saved = {k: sys.modules.get(k) for k in list(mods) + [f"flintgen.device.{n}" for n in _DEVICE_MODULES]}
     sys.modules.update(mods)
     try:
-        for name in modules:
+        for name in _DEVICE_MODULES:
             m = types.ModuleType("flintgen.device." + name)
             sys.modules[m.__name__] = m
             setattr(dev, name, m)

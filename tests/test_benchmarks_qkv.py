@@ -23,9 +23,8 @@ def _configs(monkeypatch, labels: str):
 
 
 def test_labels_parse(monkeypatch):
-    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, "s6g,s4c2gtl8,L,L8,T,TL16,s6gf8h10")}
+    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, "s6g,s4c2gtl8,L,L8,T,TL16")}
     assert got["stream s6g"][0] == StreamConfig(stages=6, wgmma=True)
-    assert got["stream s6gf8h10"][0] == StreamConfig(stages=6, wgmma=True, finish_tokens=8, tail_heads=10)
     assert got["stream s4c2gtl8"][0] == StreamConfig(stages=4, ctas_per_sm=2, wgmma=True, tma=True, l2_prefetch=8)
     for label, l2, tma in (("L", MAX_L2_PREFETCH, False), ("L8", 8, False), ("T", 0, True), ("TL16", 16, True)):
         cfg, kd = got[f"production {label}"]
@@ -55,8 +54,10 @@ def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
 
 
 def test_bad_label_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match=r"--configs label 'x9' is not one of: .*l<units>h<heads>"):
-        _configs(monkeypatch, "x9")
+    # x9, and the labels of options since removed (h: tail heads, d: pool steps, n: fused norm)
+    for label in ("x9", "s6gf8h10", "s8gf8d13", "s8gn"):
+        with pytest.raises(ValueError, match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units> \("):
+            _configs(monkeypatch, label)
 
 
 def test_timeline_patches_apply():

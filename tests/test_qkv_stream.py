@@ -109,8 +109,7 @@ def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
-        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"h{c.tail_heads}" if c.tail_heads else "") + \
-        (f"d{c.pool_steps}" if c.pool_steps else "") + ("n" if c.fuse_norm else "")
+        (f"l{c.l2_prefetch}" if c.l2_prefetch else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -226,7 +225,7 @@ FINISH_COMPILE = [("flint_bf16", 64, FIN16), ("flint_bf16", 64, FIN8), ("bf16_40
 
 
 def _fin_id(c):
-    return f"f{c.finish_tokens}" + ("g" if c.wgmma else "") + (f"h{c.tail_heads}" if c.tail_heads else "")
+    return f"f{c.finish_tokens}" + ("g" if c.wgmma else "")
 
 
 @pytest.mark.compile
@@ -238,36 +237,7 @@ def test_stream_finish_compiles_clean(name, max_m, cfg):
     # one departure per owned slice)
     assert ptx.count("nanosleep") == p["max_owned"]
     assert ptx.count("ld.acquire.gpu.global") == 2 * p["max_owned"]   # the poll loop rotated: one load before it
-    assert ptx.count("atom.acq_rel.gpu.global.add.s32") == p["slots_per_cta"] + p["max_owned"]
-
-
-# two phases (tail_heads): the last heads streamed second, the first phase's heads finished between the ranges;
-# both MMA kinds, head dims 64 / 96 / 128 / 256, an fp8 cache; each spec's tail a quarter of its heads or so
-def _tail(name, heads, wgmma=True):
-    return (name, StreamConfig(stages=6, wgmma=wgmma, finish_tokens=8, tail_heads=heads))
-
-
-TAIL = dict([_tail("flint_bf16", 10), _tail("bf16_4096", 12), _tail("oss_bf16", 20), _tail("h16384_bf16", 2),
-             _tail("d96_r24", 12, wgmma=False), _tail("oss_bf16_fp8", 20)])
-TAIL_COMPILE = [("flint_bf16", 64), ("bf16_4096", 64), ("oss_bf16", 32), ("h16384_bf16", 64), ("d96_r24", 64),
-                ("oss_bf16_fp8", 16), ("flint_bf16", 8)]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("name, max_m", TAIL_COMPILE, ids=[f"{n}-M{m}" for n, m in TAIL_COMPILE])
-def test_stream_tail_phase_compiles_clean(name, max_m):
-    """Every segment of both phases unrolled once (its unit loop's wait), one poll loop per owned slice of
-    either phase, one counting atomic per segment and one departure per slice; spill-free."""
-    cfg = TAIL[name]
-    p, ptx = _compiled(_spec(name), cfg, max_m)
-    assert p["phases"] == 2 and p["phase_head0"][1] == p["q_heads"] + 2 * p["kv_heads"] - cfg.tail_heads
-    assert p["slots_per_cta"] == sum(p["phase_segments"]) and p["max_owned"] == sum(p["phase_owned"])
-    assert ptx.count("cp.async.wait_group") == p["slots_per_cta"]
-    if cfg.wgmma:
-        assert ptx.count("wgmma.wait_group.sync.aligned 0") == p["slots_per_cta"]
-    assert ptx.count("nanosleep") == p["max_owned"]
-    assert ptx.count("ld.acquire.gpu.global") == 2 * p["max_owned"]
-    assert ptx.count("atom.acq_rel.gpu.global.add.s32") == p["slots_per_cta"] + p["max_owned"]
+    assert ptx.count("atom.acq_rel.gpu.global.add.s32") == p["max_segments"] + p["max_owned"]
 
 
 # ----------------------------------------------------------------- GPU
@@ -341,11 +311,7 @@ FINISH_CASES = ([("flint_bf16", m, FIN16) for m in (1, 7, 9, 16, 33, 63, 64)]
                    ("oss_bf16", 17, FIN16), ("h16384_bf16", 40, FIN16), ("d96_r24", 57, FIN8_MMA),
                    ("glm4", 63, FIN16), ("qwen3_1024", 64, FIN8), ("qwen3_1024", 2, FIN8), ("flint_bf16", 64, FIN32),
                    ("flint_bf16", 33, FIN32), ("h16384_bf16", 64, FIN32), ("glm4", 40, FIN32), ("oss_bf16", 63, FIN32),
-                   ("bf16_4096", 48, FIN32)]
-                + [("flint_bf16", m, TAIL["flint_bf16"]) for m in (1, 9, 33, 64)]
-                + [("bf16_4096", 64, TAIL["bf16_4096"]), ("bf16_4096", 17, TAIL["bf16_4096"]),
-                   ("oss_bf16", 40, TAIL["oss_bf16"]), ("h16384_bf16", 63, TAIL["h16384_bf16"]),
-                   ("d96_r24", 57, TAIL["d96_r24"])])
+                   ("bf16_4096", 48, FIN32)])
 
 
 @pytest.mark.gpu
@@ -395,13 +361,12 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8), ("oss_bf16", 64, TAIL["oss_bf16"])]
+       ("oss_bf16", 64, FIN8)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, m, cfg", FP8, ids=[f"{n}-M{m}" + ("-wgmma" if c.wgmma else "")
-                                                   + (f"-f{c.finish_tokens}" if c.finish_tokens else "")
-                                                   + (f"-h{c.tail_heads}" if c.tail_heads else "") for n, m, c in FP8])
+                                                   + (f"-f{c.finish_tokens}" if c.finish_tokens else "") for n, m, c in FP8])
 def test_stream_fp8_cache_bit_exact(name, m, cfg):
     """The fp8 binary stores e4m3(bf16 row / scale) of the bf16 binary's rows, bit-exact; q identical."""
     from test_qkv_fp8 import Pair
@@ -414,10 +379,7 @@ def test_stream_fp8_cache_bit_exact(name, m, cfg):
 
 # the finish: wgmma, heads in 16-token slices; tma: the wgmma ring's weights by TMA, the L2 prefetch 8 units ahead
 KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16,
-         "tma": StreamConfig(stages=6, wgmma=True, tma=True, l2_prefetch=8),
-         "tail": StreamConfig(stages=6, wgmma=True, finish_tokens=8, tail_heads=12),   # 12 of 48 / of 40 heads
-         "pool": StreamConfig(stages=6, wgmma=True, finish_tokens=8, pool_steps=2),    # hidden 2048 fits 2
-         "fused": StreamConfig(stages=6, wgmma=True, finish_tokens=8, pool_steps=2, fuse_norm=True)}
+         "tma": StreamConfig(stages=6, wgmma=True, tma=True, l2_prefetch=8)}
 
 
 def refresh_inputs(c, a, seed):
@@ -523,8 +485,7 @@ def gpu_variants(target):
         for spec in (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if name == "oss_bf16" else ()):
             todo += [(KDEF, spec, KDEF.variant(spec, config=WGMMA, max_m=tile, target=target, debug=d))
                      for tile in TOKEN_TILES for d in (False, True)]
-    fin = {(n, c) for n, _, c in FINISH_CASES} | {(n, KINDS[k]) for n in ("bf16_4096", "flint_bf16")
-                                                  for k in ("finish", "tail")}
+    fin = {(n, c) for n, _, c in FINISH_CASES} | {("bf16_4096", KINDS["finish"]), ("flint_bf16", KINDS["finish"])}
     fp8_fin = {(n, c) for n, _, c in FP8 if c.finish_tokens}
     for name, cfg in sorted(fin | fp8_fin, key=str):
         specs = (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if (name, cfg) in fp8_fin else ())
@@ -616,7 +577,7 @@ def test_ablation_patches_apply(wg):
     # no_mma drops the loop's MMA and nothing else: the partial stores stay after the loop
     src = abl.patched_source(spec, v, "no_mma")
     i = src.index("for u in cutlass.range(seg_lo")
-    loop = src[i:src.index("self.store_partials(workspace, acc, cta * SLOTS_PER_CTA + ps,", i)]
+    loop = src[i:src.index("self.store_partials(workspace, acc, cta * MAX_SEGS + seg,", i)]
     assert "self.mma_unit(" not in loop and "self.refill(" in loop
 
 

@@ -3,9 +3,8 @@ entries listed in prebuilt.txt (to carry them alone):
 
     FLINTGEN_CACHE_DIR=$PWD/.aotcache-t python tools/prebuild_gpu_tests.py [PART ...]
 
-PARTs: ``window-clusters``, ``ab-tests`` (also ab-sanitize's), ``tail-tests`` (gpu_run.sh's targets of those names;
-all three when no PART is given), ``pool-tests`` (gpu_run.sh's: tests/test_qkv_stream_pool.py's and
-test_qkv_fused_norm.py's GPU cases, the pool's and the fused norm's graph replay and back-to-back tests) and ``qkv:NAME,NAME..``: what ``flintgen.get_kernel(SPECS[NAME], "qkv")`` loads for
+PARTs: ``window-clusters`` and ``ab-tests`` (also ab-sanitize's): gpu_run.sh's targets of those names, both when no
+PART is given; and ``qkv:NAME,NAME..``: what ``flintgen.get_kernel(SPECS[NAME], "qkv")`` loads for
 tests/test_qkv.py's SPECS (the production op's every token tile, with and without debug, and its RMSNorm), for the
 GPU tests of tests/test_qkv.py, test_qkv_tokens.py and test_qkv_fp8.py (a Pair needs NAME and NAME_fp8; NAME_t64,
 where SPECS has no such name, is SPECS[NAME] with max_tokens 64).
@@ -18,10 +17,9 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
-PARTS = ("window-clusters", "ab-tests", "tail-tests")
+PARTS = ("window-clusters", "ab-tests")
 
 
 def plan(parts=PARTS):
@@ -30,8 +28,6 @@ def plan(parts=PARTS):
     import test_decode_attention_grid as grid
     import test_qkv
     import test_qkv_stream as stream
-    import test_qkv_fused_norm as fused
-    import test_qkv_stream_pool as pool
 
     from flintgen.configs.qkv_config import TOKEN_TILES, token_tile, token_tiles
     from flintgen.kernels import get_def
@@ -82,35 +78,13 @@ def plan(parts=PARTS):
                     spec = test_qkv.SPECS[name]
                     add_tiles(spec, [tt for tt in TOKEN_TILES if m <= tt <= 8], cfg)
                     add_norm(spec)
-        elif part == "tail-tests":
-            # two phases (test_stream_finish_numerics' and the fp8 test's tail configs; Case.run: debug too)
-            for name, _, cfg in stream.FINISH_CASES + stream.FP8:
-                if cfg.tail_heads:
-                    specs = [stream._spec(name)]
-                    if (name, cfg) in {(n, c) for n, _, c in stream.FP8}:
-                        specs.append(specs[0].replace(kv_cache_dtype="fp8_e4m3"))
-                    for spec in specs:
-                        add_tiles(spec, TOKEN_TILES, cfg)
-                        add_norm(spec)
-        elif part == "pool-tests":
-            for name, max_tokens, _, cfg in pool.GPU_CASES:   # the op builds every tile (Case.run: debug too)
-                spec = pool._pool_spec(name, max_tokens)[1]
-                add_tiles(spec, token_tiles(max_tokens), cfg)
-                add_norm(spec)
-            for name, max_tokens, _, cfg in fused.GPU_CASES + [("bf16_4096", 8, 0, fused.GRAPH_CFG)]:
-                spec = fused._spec_of(name).replace(max_tokens=max_tokens)   # the fused op and the unfused twin
-                for c in (cfg, replace(cfg, fuse_norm=False)):
-                    add_tiles(spec, token_tiles(max_tokens), c)
-                add_norm(spec)
         else:
-            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, pool-tests, stream-fp8 "
-                             "or qkv:NAME,NAME..")
-        if part in ("ab-tests", "tail-tests", "pool-tests"):   # graph replay / back to back [tma] / [tail] / [pool]
+            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, stream-fp8 or "
+                             "qkv:NAME,NAME..")
+        if part == "ab-tests":   # graph replay / back to back [tma], and their warmup
             for name in ("bf16_4096", "flint_bf16"):
                 spec = stream._spec(name)
-                kinds = ("pool", "fused") if part == "pool-tests" else ("tma", "tail")
-                for kind in kinds:
-                    add_tiles(spec, TOKEN_TILES, stream.KINDS[kind], (False,))
+                add_tiles(spec, TOKEN_TILES, stream.KINDS["tma"], (False,))
                 add_tiles(spec, TOKEN_TILES, None, (False,))
                 add_norm(spec)
     return t, todo

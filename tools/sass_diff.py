@@ -69,7 +69,7 @@ def _extended_specs():
 def _stream_plan(target):
     """The streaming QKV design's binaries (``--set stream``): the op's tiles of 16-64 tokens and their debug
     binaries for flint BF16 (hidden 2048), hidden 4096 32/8, an e4m3 cache, head_dim 64 / 96, and the launch
-    options no tile selects (register path, TMA ring, L2 prefetch, spread finish at 16 tokens, the pool, the fused norm)."""
+    options no tile selects (register path, TMA ring, L2 prefetch, spread finish at 16 tokens)."""
     from flintgen.configs.qkv_stream_plan import StreamConfig
     from flintgen.kernels import KERNELS
     from flintgen.presets import FLINT, GPT_OSS_20B
@@ -81,9 +81,7 @@ def _stream_plan(target):
              GPT_OSS_20B.replace(name="gpt-oss-bf16-64", weight_format="bf16", max_tokens=64),
              bf16.replace(name="flint-d96-64", head_dim=96)]
     configs = [None, StreamConfig(prefetch=2), StreamConfig(stages=8, wgmma=True, tma=True),
-               StreamConfig(stages=6, wgmma=True, l2_prefetch=8), StreamConfig(stages=8, wgmma=True, finish_tokens=16),
-               StreamConfig(stages=8, wgmma=True, finish_tokens=8, pool_steps=2),
-               StreamConfig(stages=8, wgmma=True, fuse_norm=True)]
+               StreamConfig(stages=6, wgmma=True, l2_prefetch=8), StreamConfig(stages=8, wgmma=True, finish_tokens=16)]
     kdef = KERNELS["qkv"]
     plan, seen = [], set()
     for spec in specs:

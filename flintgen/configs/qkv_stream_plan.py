@@ -17,41 +17,11 @@ block of c)``; a per-head counter counts the units that arrived, and the CTA
 that completes a head sums the head's partials in CTA order (= K order:
 deterministic) and runs the per-head epilogue.
 
-With ``tail_heads`` > 0 the units come in two *phases*: the first heads'
-blocks, then the last ``tail_heads`` heads' blocks, each phase cut into
-``grid`` equal ranges as above (CTA c streams its range of phase 0, then its
-range of phase 1, one ring across both). A phase-0 head completes when every
-CTA has streamed its phase-0 range, mid-kernel: CTAs finish phase-0 slices
-(below) while their ring's copies of phase-1 units are in flight, and only
-the tail heads are finished on the kernel's tail.
-
-With ``pool_steps`` > 0 the last ``pool_steps`` K steps of every block
-form a *pool* handed out one unit at a time in arrival order: the ranges
-above cut the other (*home*) units, numbered block-major with
-``range_steps = steps - pool_steps`` steps per block; a CTA streams its
-home range, then draws pool units from a ticket counter until it runs out
-(the draws pipelined through a small shared-memory queue ahead of the ring's
-copies, flintgen.device.tickets). A CTA that is slow to arrive or to stream
-takes fewer pool units, so the CTAs end together. Pool unit ``p`` (block
-``p // pool_steps``) publishes its own partial to slot ``grid *
-slots_per_cta + p`` and is counted on its head like a segment; the merge
-sums a block's home partials (CTA order), then its pool partials (K order):
-deterministic. Heads are finished in slices (``finish_tokens``) after the
-stream; the last CTA to leave resets the ticket counter.
-
-With ``fuse_norm`` the (residual-add) RMSNorm runs inside the GEMV instead of
-as a kernel of its own: after the grid-dependency wait, CTA ``c`` normalizes
-token rows ``c, c + grid, ..`` exactly as the standalone kernel would
-(flintgen.device.fused_norm: same bits) and counts them; every CTA waits for
-all M rows before its first xn copy (its first weight copies are in flight
-since before the wait). The step loses one kernel and one dependency hop.
-
 With ``finish_tokens`` > 0 the finish is spread instead: a head's tokens are
 cut into ``finish_slices`` slices of ``finish_tokens`` tokens (whole 8-token
 n-tiles), slice ``s = head * finish_slices + j`` (of ``finish_total``)
 belongs to CTA ``s * grid // finish_total`` (one of the head's contributors
-or a neighbour; per phase: a phase's slices over the whole grid), and every
-CTA, after publishing its whole range (of the phase), waits for
+or a neighbour), and every CTA, after publishing its whole range, waits for
 the heads of its slices to complete (their counters) and finishes those
 tokens only: merge (same CTA order) and epilogue. The grid is what the SMs
 hold at once and a CTA waits only after publishing everything, so the waits
@@ -108,12 +78,6 @@ MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any 
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
 MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when merging a head (ring path)
 MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next units' weights in registers
-POOL_QUEUE = 16         # pool tickets held in shared memory (a power of two above the ring's lookahead + 1)
-POOL_DRAW_AHEAD = 3     # a pool ticket is drawn this many ring iterations before its copy is issued
-POOL_DRAW_LANES = 4     # ... by lane q % 4 of warp 0 (each holds its ticket two iterations, draws every four)
-POOL_QUEUE_BYTES = 4 * POOL_QUEUE
-LAUNCH_COUNTERS = 3     # after the heads' counters (pool or fused norm): CTAs that left, pool tickets, rows normalized
-NORM_RED_FLOATS = 32    # the fused norm's warp sums (the standalone RMSNorm's warps, at most 1024 / 32)
 WARPGROUP_ROWS = 64     # rows of one wgmma (flintgen.device.wgmma.WARPGROUP_ROWS)
 
 
@@ -132,15 +96,7 @@ class StreamConfig:
     ring then keeps the prefetch that many units ahead of its copies) and
     ``tma`` (the wgmma ring filled by TMA: one tensor copy per operand and
     unit, issued by one lane, each stage's arrival counted on an mbarrier;
-    tokens >= M zero-filled by the copy) and ``tail_heads`` (> 0: the units in
-    two phases, the last ``tail_heads`` heads second, so that the first
-    phase's heads are finished while the second streams; needs
-    ``finish_tokens``, the cp.async ring without TMA or L2 prefetch) and
-    ``pool_steps`` (> 0: the last K steps of every block handed out one unit
-    at a time as CTAs ask, StreamPlan; needs ``finish_tokens`` and the
-    cp.async ring without TMA, L2 prefetch or tail heads) and ``fuse_norm``
-    (the step's RMSNorm computed by the GEMV's CTAs, no kernel of its own;
-    the cp.async ring)."""
+    tokens >= M zero-filled by the copy)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -150,21 +106,13 @@ class StreamConfig:
     finish_tokens: int = 0
     l2_prefetch: int = 0
     tma: bool = False
-    tail_heads: int = 0
-    pool_steps: int = 0
-    fuse_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.pool_steps < 0:
-            raise ValueError(f"StreamConfig: pool_steps = {self.pool_steps} must be 0 (no pool) or more (K steps "
-                             "of each block handed out as CTAs ask)")
-        # range checks, on a shape every valid option fits (home ranges long enough for the pool's draws)
-        StreamPlan(hidden=K_STEP * (max(self.pool_steps, 0) + MAX_PREFETCH + MAX_STAGES + POOL_DRAW_AHEAD),
-                   head_dim=128, heads=self.tail_heads + 1, ctas=1, max_m=8,
-                   stages=self.stages, warp_tiles=self.warp_tiles, prefetch=self.prefetch,
+        StreamPlan(hidden=64 * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
+                   warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
-                   tma=self.tma, tail_heads=self.tail_heads, pool_steps=self.pool_steps, fuse_norm=self.fuse_norm)
+                   tma=self.tma)  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -243,9 +191,6 @@ class StreamPlan:
     finish_tokens: int = 0   # > 0: completed heads finished in slices of this many tokens by several CTAs
     l2_prefetch: int = 0     # units of a range prefetched into L2 before the grid-dependency wait
     tma: bool = False        # the wgmma ring filled by TMA tensor copies (an mbarrier per stage)
-    tail_heads: int = 0      # > 0: the units in two phases, these last heads second
-    pool_steps: int = 0      # > 0: the last K steps of every block handed out one unit at a time (tickets)
-    fuse_norm: bool = False  # the step's RMSNorm computed by the GEMV's CTAs (flintgen.device.fused_norm)
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -292,33 +237,6 @@ class StreamPlan:
         if self.tma and not self.wgmma:
             raise ValueError(f"StreamPlan: tma = True writes the 128-byte swizzled stages of the wgmma ring: "
                              f"wgmma = {self.wgmma} must be True (and prefetch = {self.prefetch} 0)")
-        if not 0 <= self.tail_heads < self.heads:
-            raise ValueError(f"StreamPlan: tail_heads = {self.tail_heads} must be 0 (one phase) or 1..{self.heads - 1} "
-                             f"(of the {self.heads} heads, finished after the others)")
-        if self.tail_heads and (not self.finish_tokens or self.prefetch or self.tma or self.l2_prefetch):
-            raise ValueError(f"StreamPlan: tail_heads = {self.tail_heads} (two phases) finishes heads in slices on "
-                             f"the cp.async ring: it needs finish_tokens > 0 (got {self.finish_tokens}), prefetch = 0 "
-                             f"(got {self.prefetch}), tma = False (got {self.tma}) and l2_prefetch = 0 "
-                             f"(got {self.l2_prefetch})")
-        if self.tail_heads and min(map(self.phase_units, range(self.phases))) < self.grid:
-            per_head = self.head_units
-            raise ValueError(f"StreamPlan: tail_heads = {self.tail_heads} leaves a phase of "
-                             f"{min(map(self.phase_units, range(self.phases)))} units, fewer than the {self.grid} CTAs "
-                             f"(every CTA streams a range of each phase): use {-(-self.grid // per_head)}.."
-                             f"{self.heads - -(-self.grid // per_head)} tail heads of {per_head} units")
-        if not 0 <= self.pool_steps < self.steps:
-            raise ValueError(f"StreamPlan: pool_steps = {self.pool_steps} must be 0 (no pool) or 1..{self.steps - 1} "
-                             f"(of a block's {self.steps} K steps at hidden {self.hidden})")
-        if self.pool_steps and (not self.finish_tokens or self.prefetch or self.tma or self.l2_prefetch
-                                or self.tail_heads):
-            raise ValueError(f"StreamPlan: pool_steps = {self.pool_steps} (units handed out as CTAs ask) counts "
-                             f"units only and finishes heads in slices on the cp.async ring: it needs "
-                             f"finish_tokens > 0 (got {self.finish_tokens}), prefetch = 0 (got {self.prefetch}), "
-                             f"tma = False (got {self.tma}), l2_prefetch = 0 (got {self.l2_prefetch}) and "
-                             f"tail_heads = 0 (got {self.tail_heads})")
-        if self.fuse_norm and (self.prefetch or self.tma):
-            raise ValueError(f"StreamPlan: fuse_norm = True (the RMSNorm in the GEMV) feeds xn to the cp.async ring: "
-                             f"prefetch = {self.prefetch} must be 0 and tma = {self.tma} False")
         if (self.smem_bytes + CTA_SMEM_RESERVED) * self.ctas_per_sm > SMEM_PER_SM:
             what = (f"xn of {self.xn_slots} K steps x {self.max_m} tokens" if self.prefetch
                     else f"{self.ring_stages} ring stages of {self.stage_bytes} bytes")
@@ -335,12 +253,6 @@ class StreamPlan:
         if self.wgmma and self.lookahead < 1:
             raise ValueError(f"StreamPlan: wgmma keeps a unit's MMAs in flight past the next unit's barrier: "
                              f"{self.ring_stages} stages must be at least 3")
-        if self.pool_steps and self.range_units // self.grid < self.lookahead + POOL_DRAW_AHEAD:
-            raise ValueError(f"StreamPlan: pool_steps = {self.pool_steps} leaves ranges of "
-                             f"{self.range_units // self.grid} units, fewer than the {self.lookahead + POOL_DRAW_AHEAD} "
-                             f"the pool's first draws need (the ring's {self.lookahead} copies in flight + "
-                             f"{POOL_DRAW_AHEAD}): use fewer pool steps, at most "
-                             f"{max(self.steps - -(-self.grid * (self.lookahead + POOL_DRAW_AHEAD) // self.blocks), 0)}")
 
     # ------------------------------------------------------------ geometry
     @property
@@ -368,116 +280,48 @@ class StreamPlan:
         return self.blocks * self.steps
 
     @property
-    def range_steps(self) -> int:
-        """K steps of a block in the CTAs' ranges (the first ones; the rest are the pool's)."""
-        return self.steps - self.pool_steps
-
-    @property
-    def range_units(self) -> int:
-        """Units cut into the CTAs' ranges (``units`` less the pool's), numbered block-major with
-        ``range_steps`` per block."""
-        return self.blocks * self.range_steps
-
-    @property
-    def pool_units(self) -> int:
-        """Units handed out by tickets: pool unit ``p`` is block ``p // pool_steps``'s step
-        ``range_steps + p % pool_steps``."""
-        return self.blocks * self.pool_steps
-
-    def unit_of_range_unit(self, h: int) -> int:
-        """The unit (``block * steps + step``) of range unit ``h``."""
-        return h // self.range_steps * self.steps + h % self.range_steps
-
-    def unit_of_pool_unit(self, p: int) -> int:
-        return p // self.pool_steps * self.steps + self.range_steps + p % self.pool_steps
-
-    @property
     def head_units(self) -> int:
         """Units of one head: its counter's target."""
         return self.blocks_per_head * self.steps
 
     @property
     def grid(self) -> int:
-        return min(self.ctas * self.ctas_per_sm, self.range_units)
+        return min(self.ctas * self.ctas_per_sm, self.units)
 
-    # ------------------------------------------------------------ phases and ranges
-    @property
-    def phase_heads(self) -> tuple[tuple[int, int], ...]:
-        """Each phase's heads [first, end): all of them, or (``tail_heads``) the others, then the tail."""
-        if not self.tail_heads:
-            return ((0, self.heads),)
-        cut = self.heads - self.tail_heads
-        return ((0, cut), (cut, self.heads))
-
-    @property
-    def phases(self) -> int:
-        return len(self.phase_heads)
-
-    def phase_offset(self, p: int) -> int:
-        """First (range) unit of phase ``p``."""
-        return self.phase_heads[p][0] * self.blocks_per_head * self.range_steps
-
-    def phase_units(self, p: int) -> int:
-        h0, h1 = self.phase_heads[p]
-        return (h1 - h0) * self.blocks_per_head * self.range_steps
-
-    def phase_of_block(self, block: int) -> int:
-        return next(p for p, (h0, h1) in enumerate(self.phase_heads) if block < h1 * self.blocks_per_head)
-
-    def lo(self, c: int, p: int = 0) -> int:
-        """First (range) unit of CTA ``c``'s range of phase ``p`` (``lo(grid, p)`` = the phase's end)."""
-        return self.phase_offset(p) + c * self.phase_units(p) // self.grid
+    def lo(self, c: int) -> int:
+        """First unit of CTA ``c`` (``lo(grid) = units``)."""
+        return c * self.units // self.grid
 
     def cta_of_unit(self, u: int) -> int:
-        """The CTA whose range holds range unit ``u``: the largest c with lo(c, phase of u) <= u."""
-        p = self.phase_of_block(u // self.range_steps)
-        return ((u - self.phase_offset(p) + 1) * self.grid - 1) // self.phase_units(p)
-
-    def phase_max_units(self, p: int) -> int:
-        """Units of the longest range of phase ``p``."""
-        return -(-self.phase_units(p) // self.grid)
+        """The CTA whose range holds unit ``u``: the largest c with lo(c) <= u."""
+        return ((u + 1) * self.grid - 1) // self.units
 
     @property
     def max_units(self) -> int:
-        """Units of the longest range (all phases)."""
-        return sum(self.phase_max_units(p) for p in range(self.phases))
-
-    def phase_segments(self, p: int) -> int:
-        """Blocks a range of phase ``p`` can touch, at most."""
-        return (self.phase_max_units(p) + self.range_steps - 2) // self.range_steps + 1
+        """Units of the longest range."""
+        return -(-self.units // self.grid)
 
     @property
     def max_segments(self) -> int:
-        """Blocks one range of one phase can touch, at most."""
-        return max(self.phase_segments(p) for p in range(self.phases))
-
-    def segment_offset(self, p: int) -> int:
-        """A CTA's first workspace slot of phase ``p`` (after its own slots of the earlier phases)."""
-        return sum(self.phase_segments(q) for q in range(p))
-
-    @property
-    def slots_per_cta(self) -> int:
-        return self.segment_offset(self.phases)
+        """Blocks a range of ``max_units`` consecutive units can touch."""
+        return (self.max_units + self.steps - 2) // self.steps + 1
 
     def segments(self, c: int) -> list[tuple[int, int, int]]:
-        """CTA ``c``'s (block, first, end range unit) segments, in order (phase 0's, then phase 1's)."""
+        """CTA ``c``'s (block, first unit, end unit) segments, in order."""
+        lo, hi = self.lo(c), self.lo(c + 1)
         out = []
-        for p in range(self.phases):
-            lo, hi = self.lo(c, p), self.lo(c + 1, p)
-            for b in range(lo // self.range_steps, (hi - 1) // self.range_steps + 1) if hi > lo else ():
-                out.append((b, max(lo, b * self.range_steps), min(hi, (b + 1) * self.range_steps)))
+        for b in range(lo // self.steps, (hi - 1) // self.steps + 1):
+            out.append((b, max(lo, b * self.steps), min(hi, (b + 1) * self.steps)))
         return out
 
     def slot(self, c: int, block: int) -> int:
         """Workspace slot of CTA ``c``'s segment of ``block``."""
-        p = self.phase_of_block(block)
-        return c * self.slots_per_cta + self.segment_offset(p) + block - self.lo(c, p) // self.range_steps
+        return c * self.max_segments + block - self.lo(c) // self.steps
 
     def contributors(self, block: int) -> tuple[int, int]:
         """First and last CTA whose ranges share ``block`` (the template's closed form)."""
-        p = self.phase_of_block(block)
-        local, units = block * self.range_steps - self.phase_offset(p), self.phase_units(p)
-        return ((local + 1) * self.grid - 1) // units, ((local + self.range_steps) * self.grid - 1) // units
+        first_unit = block * self.steps
+        return ((first_unit + 1) * self.grid - 1) // self.units, ((first_unit + self.steps) * self.grid - 1) // self.units
 
     @property
     def max_contributors(self) -> int:
@@ -485,28 +329,8 @@ class StreamPlan:
         return max(last - first + 1 for first, last in map(self.contributors, range(self.blocks)))
 
     @property
-    def merge_terms(self) -> int:
-        """Partials the merge of one block sums, at most: its contributors' and its pool units'."""
-        return self.max_contributors + self.pool_steps
-
-    def pool_slot(self, p: int) -> int:
-        """Workspace slot of pool unit ``p``: after every CTA's segment slots."""
-        return self.grid * self.slots_per_cta + p
-
-    @property
     def slots(self) -> int:
-        return self.grid * self.slots_per_cta + self.pool_units
-
-    @property
-    def launch_counters(self) -> int:
-        """The launch's own counters after the heads' (reset by the last CTA to leave): LAUNCH_COUNTERS with a
-        pool or the fused norm (the CTAs that left, the pool's tickets, the rows normalized), else none."""
-        return LAUNCH_COUNTERS if self.pool_steps or self.fuse_norm else 0
-
-    @property
-    def counters(self) -> int:
-        """Arrival counters: one per head, then the launch's own."""
-        return self.heads + self.launch_counters
+        return self.grid * self.max_segments
 
     @property
     def workspace_floats(self) -> int:
@@ -529,24 +353,14 @@ class StreamPlan:
         """Slices of every head (``finish_tokens`` > 0); slice ``s`` is head ``s // finish_slices``'s."""
         return self.heads * self.finish_slices
 
-    def phase_slices(self, p: int) -> int:
-        """Slices of phase ``p``'s heads: its slice ``s`` is head ``phase_heads[p][0] + s // finish_slices``'s."""
-        h0, h1 = self.phase_heads[p]
-        return (h1 - h0) * self.finish_slices
-
     def finisher(self, s: int) -> int:
-        """The CTA that finishes slice ``s`` (of every head): a phase's slices spread over the grid."""
-        p = self.phase_of_block(s // self.finish_slices * self.blocks_per_head)
-        return (s - self.phase_heads[p][0] * self.finish_slices) * self.grid // self.phase_slices(p)
-
-    def phase_owned(self, p: int) -> int:
-        """Slices of phase ``p`` one CTA finishes, at most."""
-        return -(-self.phase_slices(p) // self.grid) if self.finish_tokens else 0
+        """The CTA that finishes slice ``s``."""
+        return s * self.grid // self.finish_total
 
     @property
     def max_owned(self) -> int:
-        """Slices one CTA finishes, at most (all phases)."""
-        return sum(self.phase_owned(p) for p in range(self.phases))
+        """Slices one CTA finishes, at most."""
+        return -(-self.finish_total // self.grid) if self.finish_tokens else 0
 
     # ------------------------------------------------------------ merging a head
     @property
@@ -555,14 +369,14 @@ class StreamPlan:
 
     @property
     def merge_ntiles(self) -> int:
-        """8-token n-tiles of every merged partial loaded per merge round: the most that divide a
-        finishing slice's n-tiles with ``4 merge_terms n <= merge_floats`` (1 past 6 terms or on the
+        """8-token n-tiles of every contributor's partial loaded per merge round: the most that divide
+        a finishing slice's n-tiles with ``4 max_contributors n <= merge_floats`` (1 past 6 contributors or on the
         register path). Measured (qkv_stream_launch.md): rounds are L2 latencies on the kernel's tail,
         so fewer rounds shorten it."""
-        if self.prefetch or self.merge_terms > 6:
+        if self.prefetch or self.max_contributors > 6:
             return 1
         n_tiles = self.slice_tokens // 8
-        fit = [n for n in range(1, n_tiles + 1) if n_tiles % n == 0 and 4 * self.merge_terms * n <= self.merge_floats]
+        fit = [n for n in range(1, n_tiles + 1) if n_tiles % n == 0 and 4 * self.max_contributors * n <= self.merge_floats]
         return max(fit, default=1)
 
     # ------------------------------------------------------------ shared memory
@@ -579,10 +393,8 @@ class StreamPlan:
 
     def smem_bytes_for(self, stages: int) -> int:
         """Ring (128-aligned, first; wgmma: 1024), the TMA ring's mbarriers (8 bytes a stage), head rows (16),
-        the flag (16), the pool's ticket queue and its units per head (16 each), the fused norm's warp sums (16)."""
-        pool = POOL_QUEUE_BYTES + -(-4 * self.heads // 16) * 16 if self.pool_steps else 0
-        return (stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
-                + pool + (4 * NORM_RED_FLOATS if self.fuse_norm else 0))
+        the flag (16)."""
+        return stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
 
     # ------------------------------------------------------------ register path
     @property

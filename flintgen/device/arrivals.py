@@ -1,5 +1,5 @@
 """Arrival counters of split work (cute DSL): the split-KV merge of decode
-attention and the streaming QKV GEMV's spread finish, pool and fused norm. Contributors count on a
+attention and the streaming QKV GEMV's spread finish. Contributors count on a
 counter with an acq_rel atomic after a barrier (CUTLASS's semaphore pattern);
 a CTA that needs every contribution polls it (``wait_count``), and the CTAs
 that consumed them count their departures, the last resetting it to 0 for the
@@ -8,7 +8,6 @@ will run (a persistent grid; every CTA publishes before it waits)."""
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
@@ -32,14 +31,3 @@ def depart(counter, last, tid):
     if tid == 0:
         if ptx.atomic_add_acq_rel(counter, Int32(1)) == last:
             ptx.stg_i32_relaxed(counter, Int32(0))
-
-
-@cute.jit
-def leave(first, count: cutlass.Constexpr[int], grid: cutlass.Constexpr[int], tid):
-    """Thread 0: this CTA is done with the launch's own counters ``first[0 .. count)`` (``first[0]`` counts
-    the CTAs that left); the last of the ``grid`` CTAs resets them all to 0 for the next launch (which reads
-    them only after its grid-dependency wait)."""
-    if tid == 0:
-        if ptx.atomic_add_acq_rel(first, Int32(1)) == grid - 1:
-            for k in cutlass.range_constexpr(count):
-                ptx.stg_i32_relaxed(first + k * 4, Int32(0))

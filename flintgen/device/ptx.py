@@ -198,19 +198,6 @@ def atomic_add_acq_rel(addr, v, *, loc=None, ip=None):
     )  # fmt: skip
 
 
-@dsl_user_op
-def atomic_inc_relaxed(addr, *, loc=None, ip=None):
-    """Returns the old value and adds 1 (``atom.inc``, wrapping to 0 only past 2^31 - 1); relaxed (gpu
-    scope): a ticket, publishing nothing. Not ``atom.add`` (nor ``inc`` with the u32 maximum, which ptxas
-    turns into an add): ptxas makes an add at a warp-uniform address a warp-aggregated atomic whose result
-    is shuffled to the lanes at once, so the thread waits for the round trip there; this ``inc`` stays one
-    ATOMG.INC whose result is waited for only where it is used (the SASS of the pool's binaries)."""
-    return _asm(
-        [Int32], [(Int64, addr)],
-        "atom.relaxed.gpu.global.inc.u32 $0, [$1], 0x7fffffff;", side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
-
-
 # ---------------------------------------------------------------- shared memory
 @dsl_user_op
 def lds_u32x4(addr, *, loc=None, ip=None):

@@ -233,7 +233,7 @@ class QKVOp:
         # (warmup), never replaced, so a captured graph's buffer stays the op's
         stream_plans = [qkv_stream.plan_of(dict(v.params)) for v in self._variants.values() if qkv_stream.is_stream(v)]
         self._workspace_size = (max((pl.workspace_floats for pl in stream_plans), default=0),
-                                max((pl.counters for pl in stream_plans), default=0))
+                                max((pl.heads for pl in stream_plans), default=0))
         self._workspace = qkv_stream.workspace(*self._workspace_size)
         self._norm = None
         h = spec.head_dim
@@ -458,15 +458,12 @@ class QKVOp:
             self._check_device_contracts(positions, cos_sin_cache, slot_mapping, k_cache, k_scale, v_scale)
 
         xn = xn_out if xn_out is not None else torch.empty_like(x)
-        v = (self._debug_variants if pre_norm_out is not None else self._variants)[token_tile(m)]
-        fused = qkv_stream.fuses_norm(v)   # the GEMV normalizes x itself (no RMSNorm kernel)
-        if fused:
-            res_out = x if residual is None else residual_out if residual_out is not None else torch.empty_like(x)
-        elif residual is None:
-            self.norm_op()(x, norm_weight, eps, out=xn)
+        norm = self.norm_op()
+        if residual is None:
+            norm(x, norm_weight, eps, out=xn)
             res_out = x
         else:
-            _, res_out = self.norm_op()(x, norm_weight, eps, residual, out=xn, residual_out=residual_out)
+            _, res_out = norm(x, norm_weight, eps, residual, out=xn, residual_out=residual_out)
         q = q_out if q_out is not None else torch.empty(m, self.q_heads * self.head_dim,
                                                          dtype=torch.bfloat16, device=x.device)
         kc, vc = k_cache, v_cache
@@ -474,6 +471,7 @@ class QKVOp:
             # a uint8 cache is viewed as e4m3 (same bytes), the kernel's cache element
             kv_t = getattr(torch, layout.kv_dtype(self.spec.kv_cache_dtype).torch_dtype)
             kc, vc = k_cache.view(kv_t), v_cache.view(kv_t)
+        v = (self._debug_variants if pre_norm_out is not None else self._variants)[token_tile(m)]
         if qkv_stream.is_stream(v):
             # the streaming binary: its argument table, tensors by name; its workspace in stream order
             ws, counters = self._workspace.get(x.device)
@@ -483,10 +481,7 @@ class QKVOp:
                          k_cache=kc, v_cache=vc,
                          k_scale=k_scale.reshape(1) if self.kv_fp8 else None,
                          v_scale=v_scale.reshape(1) if self.kv_fp8 else None,
-                         workspace=ws, counters=counters, pre=pre_norm_out, qk_eps=qk_eps,
-                         # the fused norm's (residual None: x stands in for both, has_residual 0)
-                         x=x, residual=x if residual is None else residual, residual_out=res_out,
-                         norm_weight=norm_weight, eps=eps, has_residual=int(residual is not None))
+                         workspace=ws, counters=counters, pre=pre_norm_out, qk_eps=qk_eps)
             args = [named[a.name] for a in qkv_stream.args_of(dict(v.params))]
         else:
             args = [xn, weight]
@@ -544,8 +539,5 @@ class QKVOp:
 
         run(1, False)        # rms_norm without a residual, the 8-token tile
         run(1, True)         # rms_norm with one
-        if qkv_stream.fuses_norm(self._variants[self.tiles[0]]) and not all(
-                map(qkv_stream.fuses_norm, self._variants.values())):
-            self.norm_op().warmup(dev)   # the tiles that launch it (the 8-token one normalizes itself)
         for tile in self.tiles[1:]:
             run(tile, False)

@@ -14,9 +14,8 @@ from typing import Any, Mapping
 
 from flintgen import layout
 from flintgen.configs.qkv_config import EpilogueLanes
-from flintgen.configs.qkv_stream_plan import (MAX_L2_PREFETCH, NORM_RED_FLOATS, STREAM_STAGES,  # noqa: F401
-                                             StreamConfig, StreamPlan, stream_config)
-from flintgen.configs.rms_norm_config import RMSNormConfig
+from flintgen.configs.qkv_stream_plan import (MAX_L2_PREFETCH, STREAM_STAGES, StreamConfig, StreamPlan,  # noqa: F401
+                                             stream_config)
 from flintgen.kernels.base import Target, Variant
 from flintgen.kernels.workspace import DeviceBuffers
 from flintgen.spec import Spec
@@ -28,7 +27,6 @@ REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "cp.a
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 WGMMA_PTX = ("wgmma.mma_async.sync.aligned", "fence.proxy.async.shared::cta", "wgmma.wait_group.sync.aligned")
-POOL_PTX = ("atom.relaxed.gpu.global.inc.u32",)   # the pool's ticket draws (flintgen.device.tickets)
 TMA_PTX = ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes", "mbarrier.try_wait",
            "elect.sync")
 
@@ -39,19 +37,12 @@ def required_ptx(v: Variant) -> tuple[str, ...]:
     need = REQUIRED_PTX + (WGMMA_PTX if p.get("wgmma") else (MMA_PTX,))
     if p.get("tma"):   # no cp.async, so no proxy fence for it: TMA writes through the async proxy wgmma reads
         need = tuple(i for i in need if not i.startswith(("cp.async.", "fence.proxy.async"))) + TMA_PTX
-    if p.get("pool_steps"):
-        need += POOL_PTX
     return need
 
 
 def is_stream(v: Variant) -> bool:
     """Whether ``v`` is a binary of the streaming design."""
     return dict(v.params).get("design") == DESIGN
-
-
-def fuses_norm(v: Variant) -> bool:
-    """Whether ``v`` computes the step's RMSNorm itself (the op then launches no RMSNorm kernel)."""
-    return is_stream(v) and bool(dict(v.params).get("fuse_norm"))
 
 
 @dataclass(frozen=True)
@@ -65,8 +56,6 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
     template renders every signature from it and the op passes its tensors by it."""
     T = "cute.Tensor"
     out = [Arg("xn", T), Arg("weight", T)]
-    if p.get("fuse_norm"):   # the step's RMSNorm in the kernel: its inputs, xn (above) and the residual out
-        out += [Arg("x", T), Arg("residual", T), Arg("residual_out", T), Arg("norm_weight", T)]
     if p["bias"]:
         out.append(Arg("bias", T))
     if p["qk_norm"]:
@@ -81,8 +70,6 @@ def args_of(p: Mapping[str, Any]) -> list[Arg]:
         out.append(Arg("pre", T))
     if p["qk_norm"]:
         out.append(Arg("qk_eps", "Float32"))
-    if p.get("fuse_norm"):
-        out += [Arg("eps", "Float32"), Arg("has_residual", "Int32")]
     return out
 
 
@@ -91,8 +78,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
-                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), tail_heads=p.get("tail_heads", 0),
-                      pool_steps=p.get("pool_steps", 0), fuse_norm=p.get("fuse_norm", False))
+                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -106,21 +92,17 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
-                          ("l2_prefetch", 0), ("tma", False), ("tail_heads", 0), ("pool_steps", 0),
-                          ("fuse_norm", False)):
+                          ("l2_prefetch", 0), ("tma", False)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
-    if cfg.fuse_norm and spec.norm_weight_offset:   # the RMSNorm weight's offset (Gemma: 1 + w)
-        p["rms_offset"] = spec.norm_weight_offset
     plan_of(p)   # raises where the shape does not fit
     return Variant.of("qkv", **p)
 
 
 def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
     plan = plan_of(p)
-    norm = RMSNormConfig.for_hidden(p["hidden"])   # the standalone RMSNorm the fused one reproduces
     kv = layout.kv_dtype(p["kv_dtype"])
     lanes = EpilogueLanes.of(p["head_dim"], p["rope_dim"] if p["rope"] else p["head_dim"], p["interleaved"])
     args = args_of(p)
@@ -131,24 +113,13 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "max_m": p["max_m"], "block_rows": plan.block_rows, "warps": plan.warps, "warp_tiles": plan.warp_tiles,
         "blocks_per_head": plan.blocks_per_head, "units": plan.units, "grid": plan.grid,
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
-        "phases": plan.phases, "phase_head0": tuple(h0 for h0, _ in plan.phase_heads),
-        "phase_offset": tuple(map(plan.phase_offset, range(plan.phases))),
-        "phase_units": tuple(map(plan.phase_units, range(plan.phases))),
-        "phase_segments": tuple(map(plan.phase_segments, range(plan.phases))),
-        "segment_offset": tuple(map(plan.segment_offset, range(plan.phases))), "slots_per_cta": plan.slots_per_cta,
-        "phase_slices": tuple(map(plan.phase_slices, range(plan.phases))),
-        "phase_owned": tuple(map(plan.phase_owned, range(plan.phases))),
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
         "lookahead": 0 if plan.prefetch else plan.lookahead,
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
-        "tma": plan.tma, "pool_steps": plan.pool_steps, "pool_units": plan.pool_units,
-        "pool_slot0": plan.pool_slot(0), "n_counters": plan.counters,
-        "launch_counters": plan.launch_counters, "fuse_norm": plan.fuse_norm,
-        "norm_threads": norm.threads, "norm_vecs": norm.vec_per_thread, "rms_offset": p.get("rms_offset", 0),
-        "norm_red_floats": NORM_RED_FLOATS,
+        "tma": plan.tma,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
@@ -157,13 +128,12 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def workspace(floats: int, counters: int) -> DeviceBuffers:
+def workspace(floats: int, heads: int) -> DeviceBuffers:
     """An op's buffers for its streaming binaries, per device: fp32 partials
-    (``floats``: the largest plan's) and int32 counters (``counters``: the
-    largest plan's: per head, then the pool's), zeroed once; every launch
-    leaves the counters at zero again."""
+    (``floats``: the largest plan's) and per-head arrival counters, zeroed
+    once; every launch leaves the counters at zero again."""
     import torch
 
     return DeviceBuffers("qkv", lambda device: (
         torch.empty(max(floats, 1), dtype=torch.float32, device=device),
-        torch.zeros(max(counters, 1), dtype=torch.int32, device=device)))
+        torch.zeros(max(heads, 1), dtype=torch.int32, device=device)))
