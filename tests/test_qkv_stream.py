@@ -467,6 +467,10 @@ def test_stream_layers_back_to_back_race_free(kind):
 
 
 # ----------------------------------------------------------------- prebuild for a GPU machine without the DSL
+# (spec name, config) the graph-replay and back-to-back tests run: every KINDS config on both specs
+KIND_SPECS = [(n, c) for n in ("bf16_4096", "flint_bf16") for c in KINDS.values()]
+
+
 def gpu_variants(target):
     """(spec, variant) of every binary the GPU tests above load (every token tile,
     production and debug; the ring depths' configs; the specs' RMSNorm kernels)."""
@@ -475,7 +479,7 @@ def gpu_variants(target):
 
     todo = []
     names = sorted({n for n, _ in GPU_CASES} | {n for n, _, _ in FP8} | {"bf16_4096"})
-    from flintgen.configs.qkv_config import token_tiles
+    from flintgen.configs.qkv_config import TOKEN_TILES, token_tiles
 
     for cfg, _, mt in CONFIGS:
         spec = _ring_spec(mt)[1]
@@ -485,7 +489,7 @@ def gpu_variants(target):
         for spec in (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if name == "oss_bf16" else ()):
             todo += [(KDEF, spec, KDEF.variant(spec, config=WGMMA, max_m=tile, target=target, debug=d))
                      for tile in TOKEN_TILES for d in (False, True)]
-    fin = {(n, c) for n, _, c in FINISH_CASES} | {("bf16_4096", KINDS["finish"]), ("flint_bf16", KINDS["finish"])}
+    fin = {(n, c) for n, _, c in FINISH_CASES} | set(KIND_SPECS)
     fp8_fin = {(n, c) for n, _, c in FP8 if c.finish_tokens}
     for name, cfg in sorted(fin | fp8_fin, key=str):
         specs = (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if (name, cfg) in fp8_fin else ())
@@ -593,13 +597,15 @@ if __name__ == "__main__":
     from flintgen.cli import _build_one
     from flintgen.procutil import run_spawned
 
-    from flintgen.configs.qkv_config import token_tiles
+    from flintgen.configs.qkv_config import TOKEN_TILES, token_tiles
 
     root = os.path.abspath(sys.argv[sys.argv.index("--prebuild") + 1])
     skip = set()
     if "--no-other-configs" in sys.argv:
         skip = {KDEF.variant(_ring_spec(mt)[1], config=c, max_m=tile, target=T132, debug=d)
                 for c, _, mt in CONFIGS for tile in token_tiles(mt) for d in (False, True)}
+        skip -= {KDEF.variant(_spec(n), config=c, max_m=tile, target=T132, debug=d)     # the KINDS tests need them
+                 for n, c in KIND_SPECS for tile in TOKEN_TILES for d in (False, True)}
     todo = {(k.name, v): (k, s, v) for k, s, v in gpu_variants(T132) if v not in skip}
     if "--finish-only" in sys.argv:   # the spread finish's tests alone (-k "finish or f8")
         todo = {key: c for key, c in todo.items() if c[0] is not KDEF or dict(c[2].params).get("finish_tokens")}
