@@ -392,8 +392,7 @@ def cluster_config(spec, max_m: int = 8) -> QKVConfig:
     """The cluster design's configuration of the tile (production where the op
     does not stream it: bf16 from hidden 3584 streams the 8-token tile too,
     tests/test_qkv_stream.py; the cluster design stays selectable there)."""
-    return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m,
-                                    out_features=spec.qkv_out_features)
+    return KDEF.cluster_config(spec, max_m)
 
 
 def check_design_ptx(ptx: str, spec) -> None:

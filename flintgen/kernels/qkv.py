@@ -89,6 +89,12 @@ class QKVDef(KernelDef):
                                           heads=spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank)
         if stream is not None:
             return stream
+        return self.cluster_config(spec, max_m)
+
+    @staticmethod
+    def cluster_config(spec: Spec, max_m: int = MMA_N) -> QKVConfig:
+        """The cluster design's configuration of token tile ``max_m`` (what ``config`` picks where the
+        op does not stream; selectable there too)."""
         return QKVConfig.from_heuristic(spec.hidden_size, spec.head_dim, spec.weight_format, max_m,
                                         out_features=spec.qkv_out_features)
 
