@@ -12,6 +12,8 @@
 //   tma     R C S   same units, one thread: C/64 TMA 2D boxes [R][64] (128B swizzle)
 //   ldg     U G     no shared memory: warps read contiguous 512 B pieces, U in flight per thread
 //
+// Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs).
+//
 // Weights rotate over copies beyond L2. Output: one line per case, us per launch and % of
 // a 4 GiB read measured in the same process.
 //
@@ -416,7 +418,14 @@ int main(int argc, char** argv) {
             run_bulk<16, 1024, 6, false>(c, G, nullptr);
             run_bulk<64, 128, 4, true>(c, 2 * G, &m64); run_bulk<64, 256, 4, true>(c, G, &m64);
         }
-        if (argc > 1 && strcmp(argv[1], "wait") == 0) {
+        if (argc > 1 && strcmp(argv[1], "few") == 0) {
+            // fewer CTAs, each with a deep TMA ring (a cluster-per-head design's grid: 40 / 48 heads x 1-3
+            // K splits): does the stream still reach the floor with a third of the SMs?
+            for (int g : {40, 48, 66, 80, 96, 120, G}) run_bulk<64, 256, 6, true>(c, g, &m64);
+            for (int g : {40, 48, 80, 96, G}) run_bulk<64, 256, 7, true>(c, g, &m64);
+            for (int g : {40, 48, 80, 96, 120, G}) run_bulk<128, 128, 6, true>(c, g, &m128);
+            for (int g : {40, 80}) run_bulk<128, 128, 4, true>(c, g, &m128);
+                    } else if (argc > 1 && strcmp(argv[1], "wait") == 0) {
             run_ldg<8, true>(c, G * 4); run_ldg<16, true>(c, G * 2); run_ldg<8, true>(c, G * 8);
             run_frag<8, 64, 4, 2>(c, 2 * G, x); run_packed<8, 2, 4>(c, 4 * G, x);
         } else if (argc > 1 && strcmp(argv[1], "packed") == 0) {

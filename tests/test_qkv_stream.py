@@ -109,7 +109,7 @@ def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
-        (f"l{c.l2_prefetch}" if c.l2_prefetch else "")
+        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -187,6 +187,25 @@ def test_stream_l2_prefetch_compiles_clean(name, max_m, cfg, rolling):
     before = ptx[:wait].count("cp.async.bulk.prefetch.L2.global")
     assert before == p["max_segments"] * -(-p["block_rows"] // (32 * p["warps"])), before
     assert ptx[wait:].count("cp.async.bulk.prefetch.L2.global") == (p["max_segments"] if rolling else 0)
+
+
+# the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring)
+SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1)),
+                  ("bf16_4096", 32, StreamConfig(stages=8, wgmma=True, tma=True, splits=2)),
+                  ("flint_bf16", 16, StreamConfig(stages=6, splits=3))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", SPLITS_COMPILE,
+                         ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in SPLITS_COMPILE])
+def test_stream_splits_compile_clean(name, max_m, cfg):
+    spec = _spec(name)
+    p, ptx = _compiled(spec, cfg, max_m)
+    heads = spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank
+    assert p["grid"] == heads * (spec.head_dim // p["block_rows"]) * cfg.splits and p["max_segments"] == 1
+    assert p["max_contributors"] == cfg.splits
+    mma = f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16" if cfg.wgmma else "mma.sync.aligned.m16n8k16"
+    assert mma in ptx
 
 
 # the wgmma ring filled by TMA: 8 / 16 / 64 tokens, head dims 64 / 128 / 256, an fp8 cache, with the L2 prefetch
@@ -340,7 +359,12 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(stages=8, wgmma=True, tma=True), 1, 8), (StreamConfig(stages=8, wgmma=True, tma=True), 17, 32),
            (StreamConfig(stages=6, wgmma=True, finish_tokens=32, tma=True, l2_prefetch=8), 64, 64),
            (StreamConfig(stages=6, wgmma=True, finish_tokens=32, tma=True), 33, 64),
-           (StreamConfig(stages=4, wgmma=True, tma=True, ctas_per_sm=2), 9, 64)]   # with l2_prefetch its debug binary spills
+           (StreamConfig(stages=4, wgmma=True, tma=True, ctas_per_sm=2), 9, 64),   # with l2_prefetch its debug binary spills
+           # the grid aligned to blocks (splits CTAs per block): one (48 CTAs), two with the spread finish (96),
+           # three on the mma.sync ring (144: more than the SMs hold, no CTA waits)
+           (StreamConfig(stages=6, wgmma=True, splits=1), 64, 64), (StreamConfig(stages=8, wgmma=True, splits=2), 17, 32),
+           (StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=2), 33, 64),
+           (StreamConfig(stages=6, splits=3), 9, 16)]
 
 
 def _ring_spec(max_tokens):

@@ -221,6 +221,31 @@ def test_finish_slices_plan_and_refusals():
         StreamConfig(prefetch=2, finish_tokens=8)
 
 
+def test_splits_align_ranges_to_blocks():
+    """splits > 0: the grid is blocks x splits and CTA b splits + j takes part j of block b's K steps (one
+    segment, contributors b splits .. b splits + splits - 1), whatever the SM count."""
+    for hidden, heads, d, k, ctas in ((2048, 40, 128, 1, 132), (2048, 40, 128, 3, 132), (4096, 48, 128, 2, 132),
+                                      (4096, 20, 256, 5, 114), (1024, 3, 64, 16, 132)):
+        p = sp.StreamPlan(hidden=hidden, head_dim=d, heads=heads, ctas=ctas, max_m=16, stages=6, splits=k)
+        assert p.grid == p.blocks * k
+        for c in range(p.grid):
+            (b, lo, hi), = p.segments(c)
+            assert b == c // k and lo == b * p.steps + (c % k) * p.steps // k and hi == lo + len(range(lo, hi))
+        assert p.lo(p.grid) == p.units
+        assert all(p.contributors(b) == (b * k, b * k + k - 1) for b in range(p.blocks))
+        assert p.max_contributors == k and p.max_segments == 1
+    with pytest.raises(ValueError, match=r"splits = 33 must be 0 \(a CTA per SM\) or 1..32 \(the 32 K steps"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, splits=33)
+    with pytest.raises(ValueError, match=r"splits = -1 must be 0 \(a CTA per SM\) or >= 1 CTAs per block"):
+        StreamConfig(splits=-1)
+    with pytest.raises(ValueError, match=r"splits = 4 makes a grid of 160 CTAs, more than the 132 resident at once, "
+                                         r"and finish_tokens = 32 has CTAs wait"):
+        sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, stages=6, wgmma=True,
+                      finish_tokens=32, splits=4)
+    assert sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, stages=6, wgmma=True,
+                         splits=4).grid == 160   # no CTA waits for another: any grid
+
+
 def test_wgmma_plan_and_refusals():
     """wgmma stages hold unpadded swizzled rows; it takes the ring, one tile per warp and 64-row multiples."""
     from flintgen.device import wgmma

@@ -96,7 +96,10 @@ class StreamConfig:
     ring then keeps the prefetch that many units ahead of its copies) and
     ``tma`` (the wgmma ring filled by TMA: one tensor copy per operand and
     unit, issued by one lane, each stage's arrival counted on an mbarrier;
-    tokens >= M zero-filled by the copy)."""
+    tokens >= M zero-filled by the copy) and ``splits`` (> 0: the grid is
+    ``splits`` CTAs per block, each a contiguous part of the block's K steps,
+    ranges aligned to blocks; 0: the SM count x ``ctas_per_sm``, ranges across
+    blocks)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -106,13 +109,16 @@ class StreamConfig:
     finish_tokens: int = 0
     l2_prefetch: int = 0
     tma: bool = False
+    splits: int = 0
 
     def __post_init__(self) -> None:
+        if self.splits < 0:
+            raise ValueError(f"StreamConfig: splits = {self.splits} must be 0 (a CTA per SM) or >= 1 CTAs per block")
         StreamPlan(hidden=K_STEP * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
                    warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
-                   tma=self.tma)  # range checks
+                   tma=self.tma, splits=min(self.splits, 1))  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -191,6 +197,7 @@ class StreamPlan:
     finish_tokens: int = 0   # > 0: completed heads finished in slices of this many tokens by several CTAs
     l2_prefetch: int = 0     # units of a range prefetched into L2 before the grid-dependency wait
     tma: bool = False        # the wgmma ring filled by TMA tensor copies (an mbarrier per stage)
+    splits: int = 0          # > 0: grid = blocks x splits, each CTA a contiguous K part of one block
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -234,6 +241,14 @@ class StreamPlan:
         if not 0 <= self.l2_prefetch <= MAX_L2_PREFETCH:
             raise ValueError(f"StreamPlan: l2_prefetch = {self.l2_prefetch} must be 0 (none) or 1..{MAX_L2_PREFETCH} "
                              "units prefetched into L2 before the grid-dependency wait")
+        if not 0 <= self.splits <= self.steps:
+            raise ValueError(f"StreamPlan: splits = {self.splits} must be 0 (a CTA per SM) or 1..{self.steps} (the "
+                             f"{self.steps} K steps of a block at hidden {self.hidden})")
+        if self.splits and self.finish_tokens and self.grid > self.ctas * self.ctas_per_sm:
+            raise ValueError(f"StreamPlan: splits = {self.splits} makes a grid of {self.grid} CTAs, more than the "
+                             f"{self.ctas * self.ctas_per_sm} resident at once, and finish_tokens = "
+                             f"{self.finish_tokens} has CTAs wait for other CTAs' heads: use fewer splits or "
+                             "finish_tokens = 0")
         if self.tma and not self.wgmma:
             raise ValueError(f"StreamPlan: tma = True writes the 128-byte swizzled stages of the wgmma ring: "
                              f"wgmma = {self.wgmma} must be True (and prefetch = {self.prefetch} 0)")
@@ -286,6 +301,10 @@ class StreamPlan:
 
     @property
     def grid(self) -> int:
+        """``splits`` CTAs per block (ranges never cross a block: lo(b splits) = b steps), else the SMs'
+        ``ctas x ctas_per_sm``; at most one per unit."""
+        if self.splits:
+            return self.blocks * self.splits
         return min(self.ctas * self.ctas_per_sm, self.units)
 
     def lo(self, c: int) -> int:
@@ -304,6 +323,8 @@ class StreamPlan:
     @property
     def max_segments(self) -> int:
         """Blocks a range of ``max_units`` consecutive units can touch."""
+        if self.splits:
+            return 1
         return (self.max_units + self.steps - 2) // self.steps + 1
 
     def segments(self, c: int) -> list[tuple[int, int, int]]:
