@@ -233,8 +233,8 @@ class ProductionVariantDef(QKVDef):
         super().__init__()
         self.l2, self.tma = l2, tma
 
-    def config(self, spec, max_m=8):
-        cfg = super().config(spec, max_m)
+    def config(self, spec, max_m=8, target=None):
+        cfg = super().config(spec, max_m, target)
         if isinstance(cfg, qkv_stream.StreamConfig):
             return replace(cfg, l2_prefetch=self.l2, tma=self.tma and cfg.wgmma)
         return replace(cfg, l2_prefetch=self.l2 > 0)
@@ -415,7 +415,8 @@ def stream_main():
                         "(+ activation) bytes / read bandwidth. Designs: production = what the op picks per token tile "
                         "(qkv_stream_plan.stream_config: the cluster design, register prefetch with a cluster per head, "
                         "at M <= 8 below hidden 3584; from 16 tokens, and from 8 at hidden 3584 and more, the "
-                        "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64), stream = the "
+                        "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64; from 16 tokens 2 CTAs "
+                        "per block where that grid is 0.6-1 x the SMs), stream = the "
                         "persistent split-K grid with a cp.async ring (configs as labelled: s = stages, g = wgmma, "
                         "else mma.sync)."))
 

@@ -60,6 +60,20 @@ def test_variant_and_template():
     assert sc("bf16", 32, 128, heads=40) == StreamConfig(stages=8, wgmma=True)
     assert sc("bf16", 64, 96, heads=40) == StreamConfig(stages=6)
     assert sc("nvfp4", 64, 128) is None and sc("bf16", 8, 128) is None
+    # the grid aligned to blocks, SPLITS CTAs each, where that grid is SPLITS_MIN_FILL .. 1 x the SMs (wgmma tiles
+    # of 16 tokens and more; ctas = 0: the rule left out)
+    k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
+    assert k132(16, 128, heads=40) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS)
+    assert k132(64, 128, heads=40) == StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
+    assert k132(32, 128, heads=66).splits == 2 and k132(32, 128, heads=67).splits == 0    # 134 > 132 CTAs
+    assert k132(32, 128, heads=40).splits == 2 and k132(32, 128, heads=39).splits == 0    # 78 < 0.6 x 132
+    assert k132(32, 256, heads=20).splits == 2                                            # two blocks a head
+    assert k132(32, 96, heads=40) == StreamConfig(stages=6)                               # the mma.sync ring
+    assert sp.stream_config("bf16", 32, 128, hidden=2048, heads=40, ctas=78).splits == 0  # 80 > 78 SMs
+    assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == StreamConfig(stages=8, wgmma=True)
+    flint64 = _spec("flint_bf16").replace(max_tokens=64)
+    assert [dict(v.params).get("splits", 0) for v in KDEF.variants(flint64, T132)] == [0, 2, 2, 2]
+    assert KDEF.config(flint64, 32) == StreamConfig(stages=8, wgmma=True)   # no target: the rule left out
     # the 8-token tile streams (wgmma, 8 stages) from hidden 3584 on, for whole-warpgroup blocks only
     assert sp.stream_config("bf16", 8, 128, hidden=3583) is None
     for d in (64, 128, 256):

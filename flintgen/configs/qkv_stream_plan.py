@@ -72,6 +72,8 @@ STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and 
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
 FINISH_MAX_HEADS = 64   # ... where the slices (2 per head) fit 128 CTAs, one each
+SPLITS = 2              # wgmma tiles of 16-64 tokens: CTAs per block (the grid aligned to blocks, stream_config) ...
+SPLITS_MIN_FILL = 0.6   # ... where that grid is 0.6 .. 1 times the SM count (measured at 0.61 and 0.73)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any range holds: all of it)
@@ -129,10 +131,11 @@ class StreamConfig:
 
 
 def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
-                  heads: int = 0) -> "StreamConfig | None":
+                  heads: int = 0, ctas: int = 0) -> "StreamConfig | None":
     """The streaming design's configuration for the token tile ``max_m`` of a
-    spec (``hidden`` its hidden size, ``heads`` q + 2 kv heads per rank), or
-    None where the tile runs the cluster design
+    spec (``hidden`` its hidden size, ``heads`` q + 2 kv heads per rank,
+    ``ctas`` the target's SM count: 0 leaves out the rule that needs it,
+    ``splits``), or None where the tile runs the cluster design
     (flintgen.configs.qkv_config.QKVConfig). NVFP4 weights always run the
     cluster design (dequantized in registers; the streaming template takes
     bf16 only); the register path (StreamConfig.prefetch) is never selected
@@ -161,7 +164,19 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       8fd9fb8): hidden 2048 / 4096 GEMV 12.11 / 19.70 us against 14.31 / 21.83
       finished whole by the completing CTA; slices of 16 or 8 tokens (2-3 per
       CTA) 13.8-14.4 / 21.5-22.6; at 16 / 32 tokens no slicing was faster
-      (32: 9.89 / 17.32 with two slices against 10.14 / 16.96)."""
+      (32: 9.89 / 17.32 with two slices against 10.14 / 16.96).
+    * The wgmma tiles of 16-64 tokens run SPLITS = 2 CTAs per block (the
+      grid aligned to blocks: each CTA half a block's K steps, no range
+      across blocks) where that grid is SPLITS_MIN_FILL .. 1 times the SM
+      count, else one CTA per SM (qkv_stream_splits.md, H100, 3 runs, steps
+      at M = 16 / 32 / 64: hidden 2048 32/4 (80 CTAs) 11.04 / 12.65 / 14.67
+      -> 10.72 / 11.76 / 13.78 us, GEMV 9.71 / 11.40 / 13.28 -> 9.65 / 10.32
+      / 12.98; hidden 4096 32/8 (96 CTAs) steps 22.07 / 23.55 / 26.75 ->
+      21.56 / 22.58 / 25.93, but its GEMV alone is slower at 16 / 32 tokens,
+      20.49 / 21.99 -> 21.34 / 22.35, and faster at 64, 24.92 -> 24.58; the
+      step is what a decoder runs). Three CTAs per block were slower at 32
+      and 64 tokens; 8-token tiles slower with two (hidden 4096: step 20.94
+      -> 21.32); grids below 0.6 of the SMs not measured."""
     if weight_format != "bf16":
         return None
     whole_warpgroups = block_rows_of(head_dim) % WARPGROUP_ROWS == 0
@@ -171,10 +186,12 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
         return None
     if not whole_warpgroups:
         return StreamConfig(stages=STREAM_STAGES)
+    blocks = heads * (head_dim // block_rows_of(head_dim))
+    splits = SPLITS if ctas and SPLITS_MIN_FILL * ctas <= SPLITS * blocks <= ctas else 0
     if max_m > 32:
         return StreamConfig(stages=STREAM_STAGES, wgmma=True,
-                            finish_tokens=FINISH_TOKENS if 0 < heads <= FINISH_MAX_HEADS else 0)
-    return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True)
+                            finish_tokens=FINISH_TOKENS if 0 < heads <= FINISH_MAX_HEADS else 0, splits=splits)
+    return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True, splits=splits)
 
 
 def block_rows_of(head_dim: int) -> int:

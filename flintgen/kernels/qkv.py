@@ -81,12 +81,14 @@ class QKVDef(KernelDef):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
     )
 
-    def config(self, spec: Spec, max_m: int = MMA_N) -> QKVConfig | qkv_stream.StreamConfig:
-        """The design and launch configuration of token tile ``max_m``: the
+    def config(self, spec: Spec, max_m: int = MMA_N, target: Target | None = None) -> QKVConfig | qkv_stream.StreamConfig:
+        """The design and launch configuration of token tile ``max_m`` on ``target``: the
         streaming design where ``qkv_stream_plan.stream_config`` gives one
-        (bf16: 16 tokens and more, and 8 from hidden 3584), else the cluster design's QKVConfig."""
+        (bf16: 16 tokens and more, and 8 from hidden 3584), else the cluster design's QKVConfig.
+        Without a target the design is the same but the streaming grid's SM-count rule (``splits``) is left out."""
         stream = qkv_stream.stream_config(spec.weight_format, max_m, spec.head_dim, hidden=spec.hidden_size,
-                                          heads=spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank)
+                                          heads=spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank,
+                                          ctas=target.num_sms if target else 0)
         if stream is not None:
             return stream
         return self.cluster_config(spec, max_m)
@@ -104,7 +106,7 @@ class QKVDef(KernelDef):
         for ``spec``; ``debug`` adds the pre-norm output; ``config`` overrides the
         heuristic (benchmark sweeps): a QKVConfig (cluster design) or a
         StreamConfig (streaming design, whose grid is ``target``'s SM count)."""
-        cfg = config or self.config(spec, max_m)
+        cfg = config or self.config(spec, max_m, target)
         if isinstance(cfg, qkv_stream.StreamConfig):
             if target is None:
                 raise ValueError("qkv: a streaming variant needs the target (its grid is one CTA per SM)")
