@@ -244,8 +244,8 @@ def stream_configs():
     """--stream: (label, config, kernel def) of the designs timed per M. ``--configs w2,s6,w2s6,p3c2,s6g,L,L8,T,TL``
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
-    prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks) and the op's own configs with L2 prefetch (L: whole
-    ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8;
+    prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks) and the op's
+    own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8;
     ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A config a spec cannot take
     (its plan refuses the shape) is skipped on that spec, with a line saying why (``usable``)."""
     import re
@@ -261,7 +261,8 @@ def stream_configs():
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
                 out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
                 continue
-            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?(?:k(\d+))?", c)
+            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?"
+                                 r"(?:k(\d+))?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
                                  "f<tokens>l<units>k<splits> (in that order, each part optional), T, L, L<units>, TL, "
@@ -415,8 +416,8 @@ def stream_main():
                         "(+ activation) bytes / read bandwidth. Designs: production = what the op picks per token tile "
                         "(qkv_stream_plan.stream_config: the cluster design, register prefetch with a cluster per head, "
                         "at M <= 8 below hidden 3584; from 16 tokens, and from 8 at hidden 3584 and more, the "
-                        "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64; from 16 tokens 2 CTAs "
-                        "per block where that grid is 0.6-1 x the SMs), stream = the "
+                        "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64; from 16 "
+                        "tokens 2 CTAs per block where that grid is 0.6-1 x the SMs), stream = the "
                         "persistent split-K grid with a cp.async ring (configs as labelled: s = stages, g = wgmma, "
                         "else mma.sync)."))
 

@@ -81,7 +81,8 @@ class QKVDef(KernelDef):
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
     )
 
-    def config(self, spec: Spec, max_m: int = MMA_N, target: Target | None = None) -> QKVConfig | qkv_stream.StreamConfig:
+    def config(self, spec: Spec, max_m: int = MMA_N,
+               target: Target | None = None) -> QKVConfig | qkv_stream.StreamConfig:
         """The design and launch configuration of token tile ``max_m`` on ``target``: the
         streaming design where ``qkv_stream_plan.stream_config`` gives one
         (bf16: 16 tokens and more, and 8 from hidden 3584), else the cluster design's QKVConfig.
