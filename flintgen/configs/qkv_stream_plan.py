@@ -10,7 +10,10 @@ grid's ``grid`` CTAs take contiguous ranges::
 
 so every CTA streams the same number of weight bytes (+-1 unit) whatever the
 head count, and a range covers the tail of one block and the head of the
-next (a *segment* per block it touches, at most ``max_segments``). A CTA
+next (a *segment* per block it touches, at most ``max_segments``). The grid
+is the SM count x ``ctas_per_sm`` (persistent), or with ``splits`` > 0 it is
+``blocks x splits``: then ``lo(b splits) = b steps``, every range lies in one
+block (one segment) and a head has exactly ``splits`` contributors. A CTA
 accumulates each segment's fp32 partial sums ``[block_rows, max_m]`` and
 publishes them to its workspace slot ``c * max_segments + (block - first
 block of c)``; a per-head counter counts the units that arrived, and the CTA
