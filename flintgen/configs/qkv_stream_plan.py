@@ -172,11 +172,11 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       grid aligned to blocks: each CTA half a block's K steps, no range
       across blocks) where that grid is SPLITS_MIN_FILL .. 1 times the SM
       count, else one CTA per SM (qkv_stream_splits.md, H100, 3 runs, steps
-      at M = 16 / 32 / 64: hidden 2048 32/4 (80 CTAs) 11.04 / 12.65 / 14.67
-      -> 10.72 / 11.76 / 13.78 us, GEMV 9.71 / 11.40 / 13.28 -> 9.65 / 10.32
-      / 12.98; hidden 4096 32/8 (96 CTAs) steps 22.07 / 23.55 / 26.75 ->
+      at M = 16 / 32 / 64: hidden 2048 32/4 (80 CTAs) 11.05 / 12.65 / 14.66
+      -> 10.72 / 11.77 / 13.79 us, GEMV 9.71 / 11.40 / 13.28 -> 9.66 / 10.32
+      / 12.98; hidden 4096 32/8 (96 CTAs) steps 22.08 / 23.56 / 26.76 ->
       21.56 / 22.58 / 25.93, but its GEMV alone is slower at 16 / 32 tokens,
-      20.49 / 21.99 -> 21.34 / 22.35, and faster at 64, 24.92 -> 24.58; the
+      20.49 / 21.98 -> 21.34 / 22.35, and faster at 64, 24.91 -> 24.57; the
       step is what a decoder runs). Three CTAs per block were slower at 32
       and 64 tokens; 8-token tiles slower with two (hidden 4096: step 20.94
       -> 21.32); grids below 0.6 of the SMs not measured."""
