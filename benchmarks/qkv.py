@@ -245,9 +245,10 @@ def stream_configs():
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks) and the op's
-    own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8;
-    ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A config a spec cannot take
-    (its plan refuses the shape) is skipped on that spec, with a line saying why (``usable``)."""
+    own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on
+    its wgmma tiles (T, TL, TL8; ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A
+    config a spec cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why
+    (``usable``)."""
     import re
 
     out = [("production", None, KDEF)]

@@ -57,7 +57,8 @@ def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
 def test_bad_label_is_refused(monkeypatch):
     # x9, and the labels of options since removed (h: tail heads, d: pool steps, n: fused norm)
     for label in ("x9", "s6gf8h10", "s8gf8d13", "s8gn"):
-        with pytest.raises(ValueError, match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits> \("):
+        with pytest.raises(ValueError,
+                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits> \("):
             _configs(monkeypatch, label)
 
 

@@ -470,9 +470,9 @@ def test_perturbed_spec_fails(hf_run):
 
 # ---------------------------------------------------------------- GPU
 def bf16_emulation(spec, kind, p, x, softcap):
-    """flint_attention at the decode token with the kernels' roundings (CPU): bf16 x, weights, bias and norm weights; xn rounded to
-    bf16 before an fp32 GEMV; q / k (after norm and RoPE in fp32) and v rounded to bf16 as the QKV kernel
-    writes them; decode_attention_seed_rounding on the bf16 cache. [Hq * D] fp32."""
+    """flint_attention at the decode token with the kernels' roundings (CPU): bf16 x, weights, bias and norm
+    weights; xn rounded to bf16 before an fp32 GEMV; q / k (after norm and RoPE in fp32) and v rounded to bf16 as
+    the QKV kernel writes them; decode_attention_seed_rounding on the bf16 cache. [Hq * D] fp32."""
     from flintgen.references.decode_attention import decode_attention_seed_rounding
 
     bf = torch.bfloat16

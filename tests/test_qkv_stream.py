@@ -216,7 +216,7 @@ def test_stream_splits_compile_clean(name, max_m, cfg):
     spec = _spec(name)
     p, ptx = _compiled(spec, cfg, max_m)
     heads = spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank
-    assert p["grid"] == heads * (spec.head_dim // p["block_rows"]) * cfg.splits and p["max_segments"] == 1
+    assert p["grid"] == sp.blocks_of(heads, spec.head_dim) * cfg.splits and p["max_segments"] == 1
     assert p["max_contributors"] == cfg.splits
     mma = f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16" if cfg.wgmma else "mma.sync.aligned.m16n8k16"
     assert mma in ptx
@@ -376,7 +376,8 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(stages=4, wgmma=True, tma=True, ctas_per_sm=2), 9, 64),   # with l2_prefetch its debug binary spills
            # the grid aligned to blocks (splits CTAs per block): one (48 CTAs), two with the spread finish (96),
            # three on the mma.sync ring (144: more than the SMs hold, no CTA waits)
-           (StreamConfig(stages=6, wgmma=True, splits=1), 64, 64), (StreamConfig(stages=8, wgmma=True, splits=2), 17, 32),
+           (StreamConfig(stages=6, wgmma=True, splits=1), 64, 64),
+           (StreamConfig(stages=8, wgmma=True, splits=2), 17, 32),
            (StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=2), 33, 64),
            (StreamConfig(stages=6, splits=3), 9, 16)]
 

@@ -230,7 +230,8 @@ def test_splits_align_ranges_to_blocks():
         assert p.grid == p.blocks * k
         for c in range(p.grid):
             (b, lo, hi), = p.segments(c)
-            assert b == c // k and lo == b * p.steps + (c % k) * p.steps // k and hi == lo + len(range(lo, hi))
+            assert b == c // k and (lo, hi) == (b * p.steps + (c % k) * p.steps // k,
+                                                   b * p.steps + (c % k + 1) * p.steps // k)
         assert p.lo(p.grid) == p.units
         assert all(p.contributors(b) == (b * k, b * k + k - 1) for b in range(p.blocks))
         assert p.max_contributors == k and p.max_segments == 1

@@ -189,8 +189,7 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
         return None
     if not whole_warpgroups:
         return StreamConfig(stages=STREAM_STAGES)
-    blocks = heads * (head_dim // block_rows_of(head_dim))
-    splits = SPLITS if ctas and SPLITS_MIN_FILL * ctas <= SPLITS * blocks <= ctas else 0
+    splits = SPLITS if ctas and SPLITS_MIN_FILL * ctas <= SPLITS * blocks_of(heads, head_dim) <= ctas else 0
     if max_m > 32:
         return StreamConfig(stages=STREAM_STAGES, wgmma=True,
                             finish_tokens=FINISH_TOKENS if 0 < heads <= FINISH_MAX_HEADS else 0, splits=splits)
@@ -200,6 +199,11 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
 def block_rows_of(head_dim: int) -> int:
     """Weight rows of a block: the head, or 128-row pieces of a 256-dim head."""
     return min(head_dim, MAX_BLOCK_ROWS)
+
+
+def blocks_of(heads: int, head_dim: int) -> int:
+    """Row blocks of ``heads`` heads of ``head_dim`` rows."""
+    return heads * (head_dim // block_rows_of(head_dim))
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,7 @@ class StreamPlan:
 
     @property
     def blocks_per_head(self) -> int:
-        return self.head_dim // self.block_rows
+        return blocks_of(1, self.head_dim)
 
     @property
     def steps(self) -> int:
@@ -308,7 +312,7 @@ class StreamPlan:
 
     @property
     def blocks(self) -> int:
-        return self.heads * self.blocks_per_head
+        return blocks_of(self.heads, self.head_dim)
 
     @property
     def units(self) -> int:
