@@ -36,7 +36,12 @@
 #   bash benchmarks/gpu_run.sh qkv-fp8-ablation # what the QKV step's fp8 write costs, variant by variant, 5 runs
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
 #   bash benchmarks/gpu_run.sh qkv-timeline     # per-CTA stamps of the RMSNorm + QKV step and the GEMV alone
-#                                               # (benchmarks/qkv_timeline.py; prebuild with its --prebuild)
+#                                               # (benchmarks/qkv_timeline.py; prebuild with its --prebuild;
+#                                               # TIMELINE_ROWS=REGEX: those rows alone, as --rows)
+#   bash benchmarks/gpu_run.sh cluster-tests    # the streaming GEMV's cluster finish (reduce-scatter through DSMEM)
+#   bash benchmarks/gpu_run.sh cluster-ab       # the op per M (16..64) against the cluster finish (s8gk2d, s6gk2d)
+#                                               # and the spread finish on 2 CTAs per block (s8gf8k2, s8gf16k2), 3 runs
+#   bash benchmarks/gpu_run.sh cluster-sanitize # compute-sanitizer's four tools over 2- and 4-rank cluster finishes
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
 # first) and FLINTGEN_CACHE_DIR pointing at a carried cache; FLINTGEN_COMMIT names
@@ -119,7 +124,16 @@ for what in "$@"; do
                    | tee "$OUT/fp8_rows.log" | tail -6
                kill $smi ;;
         qkv-fp8-ablation) python3 -m benchmarks.qkv_fp8_ablation --runs 5 2>&1 | tee "$OUT/qkv_fp8_ablation.log" | tail -50 ;;
-        qkv-timeline) python3 -m benchmarks.qkv_timeline 2>&1 | tee "$OUT/qkv_timeline.log" | tail -40 ;;
+        qkv-timeline) python3 -m benchmarks.qkv_timeline ${TIMELINE_ROWS:+--rows "$TIMELINE_ROWS"} 2>&1 \
+               | tee "$OUT/qkv_timeline.log" | tail -40 ;;
+        cluster-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py \
+               -k cluster 2>&1 | tee "$OUT/cluster_tests.log" | tail -25; rc=$((rc || PIPESTATUS[0])) ;;
+        cluster-ab) for i in 1 2 3; do   # three runs, each its own table under $OUT/run<i>
+                   OUT="$OUT/run$i" python3 -m benchmarks.qkv --stream --ms 16,32,64 --no-fill \
+                       --configs s8gk2d,s6gk2d,s8gf8k2,s8gf16k2 --results qkv_stream_cluster; done 2>&1 \
+               | tee "$OUT/cluster_ab.log" | tail -40 ;;
+        cluster-sanitize) sanitize_stream cluster_sanitize \
+               "(cluster_numerics and (flint_bf16-M64 or qwen_896-M31)) or (other_configs and s6w1gk4d-M9)" ;;
         decode-step) for b in 8 64; do python3 examples/decode_step.py --batch "$b"; done 2>&1 \
                | tee "$OUT/decode_step.log" | tail -12 ;;
         *) echo "unknown: $what" >&2; exit 2 ;;

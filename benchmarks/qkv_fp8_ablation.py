@@ -11,6 +11,8 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
                 recip_before_s are timed: the other patches are the cluster design's text)
   fp8_inl       control: kv_quant.py and head_epilogue.py pasted into the module, unchanged
                 (the base of the pasted-code patches; its PTX is fp8's, --prebuild checks)
+  recip_late    the reciprocal once xn has landed, just before the main loop: neither the grid wait
+                nor the xn copies then follow the scale's load
   recip_after   the reciprocal of the scale computed right after the grid wait instead of next
                 to its load (b50c6c3 tried it, on the hypothesis that a CTA landing late waits
                 for the load before its grid wait: 0.04-0.05 us slower); recip_before_s: the
@@ -117,6 +119,12 @@ RECIP_AFTER = [(LOAD + "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n", LO
                ("\n        cute.arch.cluster_wait()\n",   # the one after the grid wait (8 spaces: not the loop's)
                 "\n        kv_scale = kv_quant.Scale.of(kv_scale_in)   # ablation recip_after\n"
                 "        cute.arch.cluster_wait()\n", 1)]
+# the reciprocal once xn has landed (the mbarrier wait before the main loop): nothing before the xn copies
+# waits for the scale's load (recip_before makes the grid wait follow it; recip_after the xn copies)
+RECIP_LATE = [(LOAD + "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n", LOAD, 1),
+              ("        cute.arch.mbarrier_wait(mbar, 0)\n\n        # ---- GEMV main loop",
+               "        cute.arch.mbarrier_wait(mbar, 0)\n"
+               "        kv_scale = kv_quant.Scale.of(kv_scale_in)   # ablation recip_late\n\n        # ---- GEMV main loop", 1)]
 STREAM_RECIP = "            kv_scales = (kv_quant.Scale.of(kv_scales[0]), kv_quant.Scale.of(kv_scales[1]))"
 STREAM_LOAD = """                         kv_quant.load_scale(v_scale.iterator.toint(), Int32(1)))
 """
@@ -195,6 +203,7 @@ VARIANTS = {a.tag: a for a in (
     Ablation("fp8", F, doc="reference, e4m3 cache"),
     Ablation("fp8_inl", F, True, doc="control: fp8 with kv_quant + head_epilogue pasted in, unchanged"),
     Ablation("recip_after", F, False, RECIP_AFTER, "1 / scale right after the grid wait, not before it (as at b50c6c3)"),
+    Ablation("recip_late", F, False, RECIP_LATE, "1 / scale once xn has landed (before the main loop), not before the grid wait"),
     Ablation("recip_before_s", F, False, STREAM_RECIP_BEFORE,
              "streaming design: 1 / scale before the grid wait, not right after it", stream=True),
     Ablation("no_ldg", F, False, NO_LDG, "k_scale / v_scale not loaded (scale = block_size)"),

@@ -25,9 +25,10 @@ the QKV CTAs of clock ticks per globaltimer span).
 
     python -m benchmarks.qkv_timeline --prebuild DIR   # CPU: stamped binaries + the op's for sm_90a
     python -m benchmarks.qkv_timeline                  # GPU (FLINTGEN_CACHE_DIR=DIR): the table
+    ... [--rows REGEX]                                 # both: only the rows whose label it matches whole
 
 Rows: flint-bf16 (hidden 2048, 32/4) and hidden 4096 32/8, BF16, at M = 1,
-8, 16, 64 (the op's design per token tile), at M = 1 and 8 also the wgmma ring
+8, 16, 32, 64 (the op's design per token tile), at M = 1 and 8 also the wgmma ring
 of 8 stages and the ring filling shared memory (the streaming design forced
 onto the 8-token tile: more of each range copied before the grid wait), and
 at M = 1 and 8 the op writing an e4m3 cache (issue 17: that step is
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 
 from benchmarks.decode_attention_timeline import HELPERS, _median, _pct
@@ -151,7 +153,7 @@ def rows():
     S = qkv_stream.StreamConfig
     out = []
     for spec in specs():
-        out += [(f"{spec.name} M={m}", spec, m, None) for m in (1, 8, 16, 64)]
+        out += [(f"{spec.name} M={m}", spec, m, None) for m in (1, 8, 16, 32, 64)]
         out += [(f"{spec.name} M={m} {name}", spec, m, cfg) for m in (1, 8)
                 for name, cfg in (("ring s8 wgmma", S(stages=8, wgmma=True)), ("ring filling smem", S(wgmma=True)))]
         # issue 18: the 8-token ring with 8-token finishing slices (hidden 4096, where it was timed beside the
@@ -161,7 +163,16 @@ def rows():
         # issue 17: the step writing an e4m3 cache (0.04-0.26 us slower than the bf16 write, qkv_fp8_ablation.md)
         fp8 = spec.replace(kv_cache_dtype="fp8_e4m3")
         out += [(f"{spec.name} M={m} fp8 cache", fp8, m, None) for m in (1, 8)]
-    return [(label, spec.replace(max_tokens=token_tile(m)), m, cfg) for label, spec, m, cfg in out]
+    keep = _selected()
+    return [(label, spec.replace(max_tokens=token_tile(m)), m, cfg) for label, spec, m, cfg in out if keep(label)]
+
+
+def _selected():
+    """--rows REGEX: the rows whose label it matches whole (prebuild and run take the same); default all."""
+    if "--rows" not in sys.argv:
+        return lambda label: True
+    pattern = re.compile(sys.argv[sys.argv.index("--rows") + 1])
+    return lambda label: pattern.fullmatch(label) is not None
 
 
 def variants(spec, m, cfg, target):

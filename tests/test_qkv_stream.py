@@ -123,7 +123,8 @@ def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
-        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "")
+        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
+        ("d" if c.cluster else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -220,6 +221,33 @@ def test_stream_splits_compile_clean(name, max_m, cfg):
     assert p["max_contributors"] == cfg.splits
     mma = f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16" if cfg.wgmma else "mma.sync.aligned.m16n8k16"
     assert mma in ptx
+
+
+# a block's CTAs as one cluster reducing through DSMEM (2 ranks; 4 at 32 tokens, 8 tokens each): 16 / 32 / 64
+# tokens, head dims 64 / 128, bias, an fp8 cache, partial and interleaved rotary
+K2D6 = StreamConfig(stages=6, wgmma=True, splits=2, cluster=True)    # the 64-token tile's ring
+K2D8 = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)    # the 16 / 32-token tiles'
+K4D6 = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True)
+CLUSTER_COMPILE = [("flint_bf16", 64, K2D6), ("flint_bf16", 16, K2D8), ("bf16_4096", 32, K2D8),
+                   ("oss_bf16_fp8", 64, K2D6), ("qwen_896", 32, K4D6), ("phi4_mini", 64, K2D6), ("glm4", 16, K2D8)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", CLUSTER_COMPILE,
+                         ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in CLUSTER_COMPILE])
+def test_stream_cluster_compiles_clean(name, max_m, cfg):
+    from flintgen.kernels.qkv_stream import CLUSTER_PTX, COUNTER_PTX
+
+    spec = _spec(name)
+    p, ptx = _compiled(spec, cfg, max_m)
+    heads = spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank
+    assert p["cluster"] and p["grid"] == sp.blocks_of(heads, spec.head_dim) * cfg.splits
+    assert p["recv_bytes"] == (cfg.splits - 1) * spec.head_dim * (max_m // cfg.splits) * 4
+    # each rank sends the other ranks' slices, 16 bytes a store; no workspace partial, counter or poll
+    assert ptx.count("st.shared::cluster.v4.f32") == (cfg.splits - 1) * p["slice_values"] // 4
+    assert all(i in ptx for i in CLUSTER_PTX) and not any(i in ptx for i in COUNTER_PTX)
+    assert "ld.acquire" not in ptx and "st.global.v2.f32" not in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16" in ptx
 
 
 # the wgmma ring filled by TMA: 8 / 16 / 64 tokens, head dims 64 / 128 / 256, an fp8 cache, with the L2 prefetch
@@ -347,6 +375,22 @@ FINISH_CASES = ([("flint_bf16", m, FIN16) for m in (1, 7, 9, 16, 33, 63, 64)]
                    ("bf16_4096", 48, FIN32)])
 
 
+CLUSTER_CASES = [("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
+                 ("oss_bf16", 17, K2D8), ("glm4", 63, K2D6), ("phi4_mini", 33, K2D6), ("qwen_896", 31, K4D6),
+                 ("qwen3_1024", 64, K2D6)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, m, cfg", CLUSTER_CASES,
+                         ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in CLUSTER_CASES])
+def test_stream_cluster_numerics(name, m, cfg):
+    """A block's CTAs reducing through distributed shared memory: the same contract (head dims 64 / 128, bias,
+    partial / interleaved rotary, 2 and 4 ranks), and the counters never touched."""
+    op = _stream_op(name, cfg)
+    _numerics_spec(op, name, m)
+    _counters_zero(op)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, m, cfg", FINISH_CASES, ids=[f"{n}-M{m}-{_fin_id(c)}" for n, m, c in FINISH_CASES])
 def test_stream_finish_numerics(name, m, cfg):
@@ -379,7 +423,11 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (StreamConfig(stages=6, wgmma=True, splits=1), 64, 64),
            (StreamConfig(stages=8, wgmma=True, splits=2), 17, 32),
            (StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=2), 33, 64),
-           (StreamConfig(stages=6, splits=3), 9, 16)]
+           (StreamConfig(stages=6, splits=3), 9, 16),
+           # a block's CTAs as one cluster (the reduce-scatter through DSMEM): rank 1 with one token (M 9 at 16,
+           # 33 at 64) or none (M 1 at 64); 4 ranks of 8 tokens, ranks 2 and 3 without tokens at M 9
+           (K2D8, 9, 16), (K2D8, 16, 16), (K2D8, 17, 32), (K2D6, 1, 64), (K2D6, 33, 64), (K2D6, 64, 64),
+           (K4D6, 9, 32), (K4D6, 32, 32)]
 
 
 def _ring_spec(max_tokens):
@@ -400,12 +448,13 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8)]
+       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, m, cfg", FP8, ids=[f"{n}-M{m}" + ("-wgmma" if c.wgmma else "")
-                                                   + (f"-f{c.finish_tokens}" if c.finish_tokens else "") for n, m, c in FP8])
+                                                   + (f"-f{c.finish_tokens}" if c.finish_tokens else "")
+                                                   + ("-cluster" if c.cluster else "") for n, m, c in FP8])
 def test_stream_fp8_cache_bit_exact(name, m, cfg):
     """The fp8 binary stores e4m3(bf16 row / scale) of the bf16 binary's rows, bit-exact; q identical."""
     from test_qkv_fp8 import Pair
@@ -416,9 +465,10 @@ def test_stream_fp8_cache_bit_exact(name, m, cfg):
     _counters_zero(p.op8)
 
 
-# the finish: wgmma, heads in 16-token slices; tma: the wgmma ring's weights by TMA, the L2 prefetch 8 units ahead
+# the finish: wgmma, heads in 16-token slices; tma: the wgmma ring's weights by TMA, the L2 prefetch 8 units ahead; cluster: a
+# block's two CTAs reducing through DSMEM (M 1: the 8-token tile, which finishes through the workspace)
 KINDS = {"mma": StreamConfig(), "wgmma": WGMMA, "finish": FIN16,
-         "tma": StreamConfig(stages=6, wgmma=True, tma=True, l2_prefetch=8)}
+         "tma": StreamConfig(stages=6, wgmma=True, tma=True, l2_prefetch=8), "cluster": K2D6}
 
 
 def refresh_inputs(c, a, seed):
@@ -528,8 +578,8 @@ def gpu_variants(target):
         for spec in (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if name == "oss_bf16" else ()):
             todo += [(KDEF, spec, KDEF.variant(spec, config=WGMMA, max_m=tile, target=target, debug=d))
                      for tile in TOKEN_TILES for d in (False, True)]
-    fin = {(n, c) for n, _, c in FINISH_CASES} | set(KIND_SPECS)
-    fp8_fin = {(n, c) for n, _, c in FP8 if c.finish_tokens}
+    fin = {(n, c) for n, _, c in FINISH_CASES + CLUSTER_CASES} | set(KIND_SPECS)
+    fp8_fin = {(n, c) for n, _, c in FP8 if c.finish_tokens or c.cluster}
     for name, cfg in sorted(fin | fp8_fin, key=str):
         specs = (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if (name, cfg) in fp8_fin else ())
         todo += [(KDEF, spec, KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=d))
@@ -625,7 +675,8 @@ def test_ablation_patches_apply(wg):
 
 
 if __name__ == "__main__":
-    # python tests/test_qkv_stream.py --prebuild DIR [--no-other-configs] [--finish-only] [--configs-matching A,B]:
+    # python tests/test_qkv_stream.py --prebuild DIR [--no-other-configs] [--finish-only | --cluster-only]
+    #                                    [--configs-matching A,B]:
     # compile the GPU tests' binaries for sm_90a / 132 SMs into DIR (--no-other-configs: not
     # test_stream_other_configs' ring depths and paths; --finish-only: the spread finish's binaries alone;
     # --configs-matching: test_stream_other_configs' configs whose id (_cfg_id) holds one of the strings, alone)
@@ -648,6 +699,8 @@ if __name__ == "__main__":
     todo = {(k.name, v): (k, s, v) for k, s, v in gpu_variants(T132) if v not in skip}
     if "--finish-only" in sys.argv:   # the spread finish's tests alone (-k "finish or f8")
         todo = {key: c for key, c in todo.items() if c[0] is not KDEF or dict(c[2].params).get("finish_tokens")}
+    if "--cluster-only" in sys.argv:   # the cluster finish's tests alone (-k cluster; the 8-token tiles of KINDS too)
+        todo = {key: c for key, c in todo.items() if c[0] is not KDEF or dict(c[2].params).get("splits")}
     if "--configs-matching" in sys.argv:
         want = sys.argv[sys.argv.index("--configs-matching") + 1].split(",")
         todo = {(KDEF.name, v): (KDEF, _ring_spec(mt)[1], v) for c, _, mt in CONFIGS

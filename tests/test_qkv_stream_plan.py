@@ -247,6 +247,36 @@ def test_splits_align_ranges_to_blocks():
                          splits=4).grid == 160   # no CTA waits for another: any grid
 
 
+def test_cluster_plan_and_refusals():
+    """cluster: a block's splits CTAs reduce on chip: no workspace slots, a receive buffer of the other ranks'
+    partials of a rank's max_m / splits tokens in shared memory, each rank a slice of whole n-tiles."""
+    for d, m, k in ((128, 64, 2), (128, 16, 2), (64, 32, 4), (128, 64, 8)):
+        p = sp.StreamPlan(hidden=2048, head_dim=d, heads=40, ctas=132, max_m=m, stages=4, wgmma=True, splits=k,
+                          cluster=True)
+        assert p.slots == 0 and p.workspace_floats == 0
+        assert p.finish_slices == k and p.slice_tokens == m // k
+        assert p.recv_bytes == (k - 1) * d * (m // k) * 4
+        assert p.slice_values * 32 * p.warps * 4 * (k - 1) == p.recv_bytes     # per thread, over the CTA
+        assert p.smem_bytes == p.smem_bytes_for(p.ring_stages) and p.recv_bytes < p.smem_bytes
+    bad = dict(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=64, stages=4, wgmma=True)
+    with pytest.raises(ValueError, match=r"cluster = True reduces the splits CTAs of a block in a cluster: "
+                                         r"splits = 1 must be >= 2"):
+        StreamConfig(splits=1, cluster=True)
+    with pytest.raises(ValueError, match=r"splits = 9 must be 2..8"):
+        sp.StreamPlan(**bad, splits=9, cluster=True)
+    with pytest.raises(ValueError, match=r"head_dim 256 spans 2 blocks; use cluster = False"):
+        sp.StreamPlan(**{**bad, "head_dim": 256, "heads": 20}, splits=2, cluster=True)
+    with pytest.raises(ValueError, match=r"each of the 4 CTAs whole 8-token n-tiles of the 16-token tile: use "
+                                         r"splits dividing 2"):
+        sp.StreamPlan(**{**bad, "max_m": 16}, splits=4, cluster=True)
+    with pytest.raises(ValueError, match=r"finish_tokens = 32 and prefetch = 0 must be 0"):
+        sp.StreamPlan(**bad, splits=2, cluster=True, finish_tokens=32)
+    # a tile of fewer n-tiles than ranks finishes through the workspace (the config's other tiles keep cluster)
+    cfg = StreamConfig(stages=6, wgmma=True, splits=2, cluster=True)
+    assert [m for m in (8, 16, 32, 64) if cfg.clusters_at(m)] == [16, 32, 64]
+    assert not StreamConfig(splits=2).clusters_at(64)
+
+
 def test_wgmma_plan_and_refusals():
     """wgmma stages hold unpadded swizzled rows; it takes the ring, one tile per warp and 64-row multiples."""
     from flintgen.device import wgmma

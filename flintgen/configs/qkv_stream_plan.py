@@ -20,6 +20,12 @@ block of c)``; a per-head counter counts the units that arrived, and the CTA
 that completes a head sums the head's partials in CTA order (= K order:
 deterministic) and runs the per-head epilogue.
 
+With ``cluster`` (``splits`` >= 2, a block per head) a block's ``splits``
+CTAs are one thread-block cluster and keep their partials on chip: each
+finishes ``max_m / splits`` tokens of the head, summing the CTAs' partials of
+those tokens in rank (= K) order after a reduce-scatter through distributed
+shared memory (flintgen.device.cluster_reduce); no workspace or counter.
+
 With ``finish_tokens`` > 0 the finish is spread instead: a head's tokens are
 cut into ``finish_slices`` slices of ``finish_tokens`` tokens (whole 8-token
 n-tiles), slice ``s = head * finish_slices + j`` (of ``finish_total``)
@@ -77,6 +83,7 @@ FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in t
 FINISH_MAX_HEADS = 64   # ... where the slices (2 per head) fit 128 CTAs, one each
 SPLITS = 2              # wgmma tiles of 16-64 tokens: CTAs per block (the grid aligned to blocks, stream_config) ...
 SPLITS_MIN_FILL = 0.6   # ... where that grid is 0.6 .. 1 times the SM count (measured at 0.61 and 0.73)
+MAX_CLUSTER = 8         # CTAs of a cluster (the portable limit)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any range holds: all of it)
@@ -104,7 +111,9 @@ class StreamConfig:
     tokens >= M zero-filled by the copy) and ``splits`` (> 0: the grid is
     ``splits`` CTAs per block, each a contiguous part of the block's K steps,
     ranges aligned to blocks; 0: the SM count x ``ctas_per_sm``, ranges across
-    blocks)."""
+    blocks) and ``cluster`` (those ``splits`` CTAs one cluster, reducing
+    through distributed shared memory, each finishing ``1 / splits`` of the
+    tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -115,8 +124,12 @@ class StreamConfig:
     l2_prefetch: int = 0
     tma: bool = False
     splits: int = 0
+    cluster: bool = False
 
     def __post_init__(self) -> None:
+        if self.cluster and self.splits < 2:
+            raise ValueError(f"StreamConfig: cluster = True reduces the splits CTAs of a block in a cluster: "
+                             f"splits = {self.splits} must be >= 2")
         if self.splits < 0:
             raise ValueError(f"StreamConfig: splits = {self.splits} must be 0 (a CTA per SM) or >= 1 CTAs per block")
         StreamPlan(hidden=K_STEP * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
@@ -131,6 +144,11 @@ class StreamConfig:
     def tokens_for(self, max_m: int) -> int:
         """Tokens per finishing slice at the token tile ``max_m``."""
         return min(self.finish_tokens, max_m)
+
+    def clusters_at(self, max_m: int) -> bool:
+        """Whether the token tile ``max_m`` takes ``cluster`` (each rank a whole 8-token n-tile or more;
+        a smaller tile finishes through the workspace)."""
+        return self.cluster and max_m >= 8 * self.splits
 
 
 def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
@@ -222,6 +240,7 @@ class StreamPlan:
     l2_prefetch: int = 0     # units of a range prefetched into L2 before the grid-dependency wait
     tma: bool = False        # the wgmma ring filled by TMA tensor copies (an mbarrier per stage)
     splits: int = 0          # > 0: grid = blocks x splits, each CTA a contiguous K part of one block
+    cluster: bool = False    # a block's splits CTAs one cluster: reduce-scatter through DSMEM, no workspace
 
     def __post_init__(self) -> None:
         if self.hidden % K_STEP or self.hidden < K_STEP:
@@ -273,6 +292,8 @@ class StreamPlan:
                              f"{self.ctas * self.ctas_per_sm} resident at once, and finish_tokens = "
                              f"{self.finish_tokens} has CTAs wait for other CTAs' heads: use fewer splits or "
                              "finish_tokens = 0")
+        if self.cluster:
+            self._check_cluster()
         if self.tma and not self.wgmma:
             raise ValueError(f"StreamPlan: tma = True writes the 128-byte swizzled stages of the wgmma ring: "
                              f"wgmma = {self.wgmma} must be True (and prefetch = {self.prefetch} 0)")
@@ -292,6 +313,20 @@ class StreamPlan:
         if self.wgmma and self.lookahead < 1:
             raise ValueError(f"StreamPlan: wgmma keeps a unit's MMAs in flight past the next unit's barrier: "
                              f"{self.ring_stages} stages must be at least 3")
+
+    def _check_cluster(self) -> None:
+        if not 2 <= self.splits <= MAX_CLUSTER:
+            raise ValueError(f"StreamPlan: cluster = True makes the splits CTAs of a block one cluster: splits = "
+                             f"{self.splits} must be 2..{MAX_CLUSTER}")
+        if self.blocks_per_head != 1:
+            raise ValueError(f"StreamPlan: cluster = True finishes a head within its block's cluster: head_dim "
+                             f"{self.head_dim} spans {self.blocks_per_head} blocks; use cluster = False")
+        if self.max_m % (8 * self.splits):
+            raise ValueError(f"StreamPlan: cluster = True gives each of the {self.splits} CTAs whole 8-token "
+                             f"n-tiles of the {self.max_m}-token tile: use splits dividing {self.max_m // 8}")
+        if self.finish_tokens or self.prefetch:
+            raise ValueError(f"StreamPlan: cluster = True finishes the tokens by cluster rank on the ring path: "
+                             f"finish_tokens = {self.finish_tokens} and prefetch = {self.prefetch} must be 0")
 
     # ------------------------------------------------------------ geometry
     @property
@@ -375,7 +410,8 @@ class StreamPlan:
 
     @property
     def slots(self) -> int:
-        return self.grid * self.max_segments
+        """Workspace slots (none with ``cluster``: the partials stay on chip)."""
+        return 0 if self.cluster else self.grid * self.max_segments
 
     @property
     def workspace_floats(self) -> int:
@@ -385,8 +421,10 @@ class StreamPlan:
     # ------------------------------------------------------------ finishing a head
     @property
     def finish_slices(self) -> int:
-        """Token slices a completed head is finished in (1 with ``finish_tokens`` 0: all of it by the
-        CTA that completed it)."""
+        """Token slices a completed head is finished in (``splits`` with ``cluster``: one per rank; 1 with
+        ``finish_tokens`` 0: all of it by the CTA that completed it)."""
+        if self.cluster:
+            return self.splits
         return self.max_m // self.finish_tokens if self.finish_tokens else 1
 
     @property
@@ -436,10 +474,22 @@ class StreamPlan:
         """The bf16 rows ``[max_m, head_dim]`` of the head being finished."""
         return self.max_m * self.head_dim * 2
 
+    @property
+    def slice_values(self) -> int:
+        """fp32 accumulators of one finishing slice per thread (``cluster``)."""
+        return self.warp_tiles * (self.slice_tokens // 8) * 4
+
+    @property
+    def recv_bytes(self) -> int:
+        """``cluster``: the receive buffer of the other ranks' partials of this CTA's tokens
+        (flintgen.device.cluster_reduce: ``splits - 1`` parts of ``block_rows x max_m / splits`` fp32)."""
+        return (self.splits - 1) * self.block_rows * self.slice_tokens * 4 if self.cluster else 0
+
     def smem_bytes_for(self, stages: int) -> int:
         """Ring (128-aligned, first; wgmma: 1024), the TMA ring's mbarriers (8 bytes a stage), head rows (16),
-        the flag (16)."""
-        return stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
+        the flag (16), the cluster's receive buffer (16)."""
+        return (stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
+                + self.recv_bytes)
 
     # ------------------------------------------------------------ register path
     @property

@@ -27,6 +27,9 @@ REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "cp.a
                 "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 WGMMA_PTX = ("wgmma.mma_async.sync.aligned", "fence.proxy.async.shared::cta", "wgmma.wait_group.sync.aligned")
+CLUSTER_PTX = ("barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32",
+               "st.shared::cluster.v4.f32")
+COUNTER_PTX = ("atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")   # the workspace finish's
 TMA_PTX = ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes", "mbarrier.try_wait",
            "elect.sync")
 
@@ -37,6 +40,8 @@ def required_ptx(v: Variant) -> tuple[str, ...]:
     need = REQUIRED_PTX + (WGMMA_PTX if p.get("wgmma") else (MMA_PTX,))
     if p.get("tma"):   # no cp.async, so no proxy fence for it: TMA writes through the async proxy wgmma reads
         need = tuple(i for i in need if not i.startswith(("cp.async.", "fence.proxy.async"))) + TMA_PTX
+    if p.get("dsmem_reduce"):   # partials reduced through DSMEM: no counter
+        need = tuple(i for i in need if i not in COUNTER_PTX) + CLUSTER_PTX
     return need
 
 
@@ -78,7 +83,8 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       ctas=p["ctas"], max_m=p["max_m"], stages=p["stages"], warp_tiles=p.get("warp_tiles", 1),
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
-                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), splits=p.get("splits", 0))
+                      l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), splits=p.get("splits", 0),
+                      cluster=p.get("dsmem_reduce", False))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -95,6 +101,9 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
                           ("l2_prefetch", 0), ("tma", False), ("splits", 0)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
+    # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs)
+    if cfg.clusters_at(max_m):      # a tile of fewer n-tiles than ranks finishes through the workspace
+        p["dsmem_reduce"] = True
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
     plan_of(p)   # raises where the shape does not fit
@@ -119,7 +128,8 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
-        "tma": plan.tma, "splits": plan.splits,
+        "tma": plan.tma, "splits": plan.splits, "cluster": plan.cluster, "slice_values": plan.slice_values,
+        "recv_bytes": plan.recv_bytes,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
