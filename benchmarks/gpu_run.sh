@@ -39,8 +39,8 @@
 #                                               # (benchmarks/qkv_timeline.py; prebuild with its --prebuild;
 #                                               # TIMELINE_ROWS=REGEX: those rows alone, as --rows)
 #   bash benchmarks/gpu_run.sh cluster-tests    # the streaming GEMV's cluster finish (reduce-scatter through DSMEM)
-#   bash benchmarks/gpu_run.sh cluster-ab       # the op per M (16..64) against the cluster finish (s8gk2d, s6gk2d)
-#                                               # and the spread finish on 2 CTAs per block (s8gf8k2, s8gf16k2), 3 runs
+#   bash benchmarks/gpu_run.sh cluster-ab       # the op per M (16..64) against the cluster finish (s8gk2d, s6gk2d;
+#                                               # CLUSTER_AB_CONFIGS=labels: others), 3 runs
 #   bash benchmarks/gpu_run.sh cluster-sanitize # compute-sanitizer's four tools over 2- and 4-rank cluster finishes
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
@@ -130,7 +130,7 @@ for what in "$@"; do
                -k cluster 2>&1 | tee "$OUT/cluster_tests.log" | tail -25; rc=$((rc || PIPESTATUS[0])) ;;
         cluster-ab) for i in 1 2 3; do   # three runs, each its own table under $OUT/run<i>
                    OUT="$OUT/run$i" python3 -m benchmarks.qkv --stream --ms 16,32,64 --no-fill \
-                       --configs s8gk2d,s6gk2d,s8gf8k2,s8gf16k2 --results qkv_stream_cluster; done 2>&1 \
+                       --configs "${CLUSTER_AB_CONFIGS:-s8gk2d,s6gk2d}" --results qkv_stream_cluster; done 2>&1 \
                | tee "$OUT/cluster_ab.log" | tail -40 ;;
         cluster-sanitize) sanitize_stream cluster_sanitize \
                "(cluster_numerics and (flint_bf16-M64 or qwen_896-M31)) or (other_configs and s6w1gk4d-M9)" ;;
