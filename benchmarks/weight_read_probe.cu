@@ -12,7 +12,8 @@
 //   tma     R C S   same units, one thread: C/64 TMA 2D boxes [R][64] (128B swizzle)
 //   ldg     U G     no shared memory: warps read contiguous 512 B pieces, U in flight per thread
 //
-// Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs).
+// Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs), xn (the TMA
+// ring's stages also taking 16 / 32 / 64 rows of an L2-resident xn per unit, as the wgmma GEMV's).
 //
 // Weights rotate over copies beyond L2. Output: one line per case, us per launch and % of
 // a 4 GiB read measured in the same process.
@@ -119,11 +120,15 @@ __global__ void __launch_bounds__(128, 1) k_cpasync(const __nv_bfloat16* __restr
 }
 
 // ---------------------------------------------------------------- bulk copies / TMA (producer warp)
-template <int R, int C, int S, bool TMA>
+template <int R, int C, int S, bool TMA, int MX = 0>
 __global__ void __launch_bounds__(160, 1) k_bulk(const __nv_bfloat16* __restrict__ w, Shape sh, float* out,
-                                                 const __grid_constant__ CUtensorMap map) {
-    // bulk: rows padded to RS bytes; tma: boxes [R][64] dense (128B swizzle), C/64 per stage
-    constexpr int RS = TMA ? C * 2 : C * 2 + 16, STAGE = R * RS, BYTES = R * C * 2;
+                                                 const __grid_constant__ CUtensorMap map,
+                                                 const __grid_constant__ CUtensorMap xmap) {
+    // bulk: rows padded to RS bytes; tma: boxes [R][64] dense (128B swizzle), C/64 per stage;
+    // MX > 0 (tma): each stage also takes the unit's C values of MX rows of an L2-resident xn [64, K]
+    // (boxes [MX][64] after the weights: the streaming GEMV's xn traffic, not read by the consumers)
+    static_assert(MX == 0 || TMA, "xn rows with the TMA ring only");
+    constexpr int RS = TMA ? C * 2 : C * 2 + 16, STAGE = R * RS + MX * C * 2, BYTES = R * C * 2 + MX * C * 2;
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) unsigned long long full[S], empty[S];
     pdl_launch();
@@ -146,6 +151,7 @@ __global__ void __launch_bounds__(160, 1) k_bulk(const __nv_bfloat16* __restrict
             __syncwarp();
             if constexpr (TMA) {
                 if (lane < C / 64) tma_2d(dst + lane * R * 128, &map, st * C + lane * 64, b * R, bar);
+                if (MX > 0 && lane < C / 64) tma_2d(dst + R * C * 2 + lane * MX * 128, &xmap, st * C + lane * 64, 0, bar);
             } else {
                 const char* src = reinterpret_cast<const char*>(w) + ((size_t)b * R * sh.k + (size_t)st * C) * 2;
                 for (int r = lane; r < R; r += 32) bulk_g2s(dst + r * RS, src + (size_t)r * sh.k * 2, C * 2, bar);
@@ -345,17 +351,19 @@ static void run_cpasync(Ctx& c, int grid) {
     char name[64]; snprintf(name, 64, "cpasync R%d C%d S%d G%d", R, C, S, grid); c.report(name, us);
 }
 
-template <int R, int C, int S, bool TMA>
-static void run_bulk(Ctx& c, int grid, std::vector<CUtensorMap>* maps) {
-    constexpr int smem = S * R * (TMA ? C * 2 : C * 2 + 16) + 1024;
+template <int R, int C, int S, bool TMA, int MX = 0>
+static void run_bulk(Ctx& c, int grid, std::vector<CUtensorMap>* maps, const CUtensorMap* xmap = nullptr) {
+    constexpr int smem = S * (R * (TMA ? C * 2 : C * 2 + 16) + MX * C * 2) + 1024;
     if (smem > 227 * 1024) return;
-    auto k = k_bulk<R, C, S, TMA>;
+    auto k = k_bulk<R, C, S, TMA, MX>;
     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CUtensorMap dummy; memset(&dummy, 0, sizeof dummy);
     float us = time_graph(c.st, c.copies, [&](int i) {
-        launch_pdl(c.st, k, grid, 160, smem, (const __nv_bfloat16*)c.w[i], c.sh, c.out, TMA ? (*maps)[i] : dummy);
+        launch_pdl(c.st, k, grid, 160, smem, (const __nv_bfloat16*)c.w[i], c.sh, c.out, TMA ? (*maps)[i] : dummy,
+                   MX ? *xmap : dummy);
     });
-    char name[64]; snprintf(name, 64, "%s R%d C%d S%d G%d", TMA ? "tma" : "bulk", R, C, S, grid); c.report(name, us);
+    char name[64]; snprintf(name, 64, "%s R%d C%d S%d G%d X%d", TMA ? "tma" : "bulk", R, C, S, grid, MX);
+    c.report(name, us);
 }
 
 template <int U, bool WAIT_FIRST = false>
@@ -418,7 +426,20 @@ int main(int argc, char** argv) {
             run_bulk<16, 1024, 6, false>(c, G, nullptr);
             run_bulk<64, 128, 4, true>(c, 2 * G, &m64); run_bulk<64, 256, 4, true>(c, G, &m64);
         }
-        if (argc > 1 && strcmp(argv[1], "few") == 0) {
+        if (argc > 1 && strcmp(argv[1], "xn") == 0) {
+            // the wgmma ring's stage also holds xn's values of every token (X rows, L2-resident, re-read by
+            // every CTA): does that traffic slow the weight stream at 16 / 32 / 64 tokens? Grids: the
+            // aligned grid of two CTAs per 128-row block (80 / 96) and the SM count
+            Shape xs{64, sh.k};
+            CUtensorMap x16 = make_map(x, xs, 16), x32 = make_map(x, xs, 32), x64 = make_map(x, xs, 64);
+            for (int g : {2 * sh.n / 128, G}) {
+                run_bulk<128, 64, 8, true>(c, g, &m128);
+                run_bulk<128, 64, 8, true, 16>(c, g, &m128, &x16);
+                run_bulk<128, 64, 8, true, 32>(c, g, &m128, &x32);
+                run_bulk<128, 64, 6, true>(c, g, &m128);
+                run_bulk<128, 64, 6, true, 64>(c, g, &m128, &x64);
+            }
+        } else if (argc > 1 && strcmp(argv[1], "few") == 0) {
             // fewer CTAs, each with a deep TMA ring (a cluster-per-head design's grid: 40 / 48 heads x 1-3
             // K splits): does the stream still reach the floor with a third of the SMs?
             for (int g : {40, 48, 66, 80, 96, 120, G}) run_bulk<64, 256, 6, true>(c, g, &m64);
