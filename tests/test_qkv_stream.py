@@ -45,8 +45,9 @@ def test_variant_and_template():
     assert KDEF.template_of(cluster) == "qkv_gemv.py.j2" and KDEF.variant_ptx(cluster) == KDEF.required_ptx
     # the heuristic (stream_config): bf16 tiles of 16 tokens and more stream, 6 stages; NVFP4 and 8 tokens cluster
     assert [dict(v.params).get("design", "cluster") for v in KDEF.variants(F64, T132)] == ["cluster"] + ["stream"] * 3
-    # wgmma where blocks are whole warpgroups (head_dim 96: the mma.sync ring), 8 stages below 64 tokens
-    assert [(v["stages"], v["wgmma"]) for v in KDEF.variants(F64, T132)[1:]] == [(8, True), (8, True), (6, True)]
+    # wgmma where blocks are whole warpgroups (head_dim 96: the mma.sync ring), 8 stages below 64 tokens and with
+    # the cluster finish (flint's 40 heads of 128: 80 CTAs on 132 SMs)
+    assert [(v["stages"], v["wgmma"]) for v in KDEF.variants(F64, T132)[1:]] == [(8, True)] * 3
     d96 = _spec("d96_r24")
     assert not any(dict(v.params).get("wgmma") for v in KDEF.variants(d96, T132))
     sc = functools.partial(sp.stream_config, hidden=2048)
@@ -62,9 +63,13 @@ def test_variant_and_template():
     assert sc("nvfp4", 64, 128) is None and sc("bf16", 8, 128) is None
     # the grid aligned to blocks, SPLITS CTAs each, where that grid is SPLITS_MIN_FILL .. 1 x the SMs (wgmma tiles
     # of 16 tokens and more; ctas = 0: the rule left out)
+    # and those CTAs one cluster reducing through DSMEM, 8 stages, where a head is one block (head_dim 64 / 128)
     k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
-    assert k132(16, 128, heads=40) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS)
-    assert k132(64, 128, heads=40) == StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
+    for m in (16, 32, 64):
+        assert k132(m, 128, heads=40) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS, cluster=True)
+        assert k132(m, 64, heads=60) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS, cluster=True)
+    assert k132(64, 256, heads=20) == StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
+    assert k132(32, 256, heads=20) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS)
     assert k132(32, 128, heads=66).splits == 2 and k132(32, 128, heads=67).splits == 0    # 134 > 132 CTAs
     assert k132(32, 128, heads=40).splits == 2 and k132(32, 128, heads=39).splits == 0    # 78 < 0.6 x 132
     assert k132(32, 256, heads=20).splits == 2                                            # two blocks a head
@@ -73,6 +78,7 @@ def test_variant_and_template():
     assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == StreamConfig(stages=8, wgmma=True)
     flint64 = _spec("flint_bf16").replace(max_tokens=64)
     assert [dict(v.params).get("splits", 0) for v in KDEF.variants(flint64, T132)] == [0, 2, 2, 2]
+    assert [dict(v.params).get("dsmem_reduce", False) for v in KDEF.variants(flint64, T132)] == [False] + [True] * 3
     assert KDEF.config(flint64, 32) == StreamConfig(stages=8, wgmma=True)   # no target: the rule left out
     # the 8-token tile streams (wgmma, 8 stages) from hidden 3584 on, for whole-warpgroup blocks only
     assert sp.stream_config("bf16", 8, 128, hidden=3583) is None
