@@ -127,7 +127,7 @@ for what in "$@"; do
         qkv-timeline) python3 -m benchmarks.qkv_timeline ${TIMELINE_ROWS:+--rows "$TIMELINE_ROWS"} 2>&1 \
                | tee "$OUT/qkv_timeline.log" | tail -40 ;;
         cluster-tests) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py \
-               -k cluster 2>&1 | tee "$OUT/cluster_tests.log" | tail -25; rc=$((rc || PIPESTATUS[0])) ;;
+               -k "cluster or k2d or k4d" 2>&1 | tee "$OUT/cluster_tests.log" | tail -25; rc=$((rc || PIPESTATUS[0])) ;;
         cluster-ab) for i in 1 2 3; do   # three runs, each its own table under $OUT/run<i>
                    OUT="$OUT/run$i" python3 -m benchmarks.qkv --stream --ms 16,32,64 --no-fill \
                        --configs "${CLUSTER_AB_CONFIGS:-s8gk2d,s6gk2d}" --results qkv_stream_cluster; done 2>&1 \

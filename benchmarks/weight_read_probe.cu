@@ -13,7 +13,8 @@
 //   ldg     U G     no shared memory: warps read contiguous 512 B pieces, U in flight per thread
 //
 // Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs), xn (the TMA
-// ring's stages also taking 16 / 32 / 64 rows of an L2-resident xn per unit, as the wgmma GEMV's).
+// ring's stages also taking 16 / 32 / 64 rows of an L2-resident xn per unit, as the wgmma GEMV's), contig
+// (each unit a contiguous 16 KB image, one 1-D bulk copy: a unit-major weight layout).
 //
 // Weights rotate over copies beyond L2. Output: one line per case, us per launch and % of
 // a 4 GiB read measured in the same process.
@@ -439,6 +440,17 @@ int main(int argc, char** argv) {
                 run_bulk<128, 64, 6, true>(c, g, &m128);
                 run_bulk<128, 64, 6, true, 64>(c, g, &m128, &x64);
             }
+        } else if (argc > 1 && strcmp(argv[1], "contig") == 0) {
+            // a unit-major weight layout (each 128-row x 64-value unit one contiguous 16 KB image, as a
+            // prepacked W would hold it): one 1-D bulk copy per unit against the 2-D box of today's layout
+            Shape rows = c.sh;
+            c.sh = {rows.n * rows.k / 8192, 8192};
+            for (int g : {2 * rows.n / 128, G}) {
+                run_bulk<1, 8192, 8, false>(c, g, nullptr);
+                run_bulk<1, 8192, 12, false>(c, g, nullptr);
+            }
+            c.sh = rows;
+            for (int g : {2 * rows.n / 128, G}) run_bulk<128, 64, 8, true>(c, g, &m128);
         } else if (argc > 1 && strcmp(argv[1], "few") == 0) {
             // fewer CTAs, each with a deep TMA ring (a cluster-per-head design's grid: 40 / 48 heads x 1-3
             // K splits): does the stream still reach the floor with a third of the SMs?
