@@ -433,7 +433,10 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            # a block's CTAs as one cluster (the reduce-scatter through DSMEM): rank 1 with one token (M 9 at 16,
            # 33 at 64) or none (M 1 at 64); 4 ranks of 8 tokens, ranks 2 and 3 without tokens at M 9
            (K2D8, 9, 16), (K2D8, 16, 16), (K2D8, 17, 32), (K2D6, 1, 64), (K2D6, 33, 64), (K2D6, 64, 64),
-           (K4D6, 9, 32), (K4D6, 32, 32)]
+           (K4D6, 9, 32), (K4D6, 32, 32),
+           # the cluster finish on the ring filling shared memory (12 stages at 16 tokens) and on the TMA ring
+           (StreamConfig(wgmma=True, splits=2, cluster=True), 16, 16),
+           (StreamConfig(stages=8, wgmma=True, tma=True, splits=2, cluster=True), 33, 64)]
 
 
 def _ring_spec(max_tokens):
