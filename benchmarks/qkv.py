@@ -421,7 +421,8 @@ def stream_main():
                         "at M <= 8 below hidden 3584; from 16 tokens, and from 8 at hidden 3584 and more, the "
                         "streaming design's ring with wgmma, 8 stages at 8 / 16 / 32 tokens, 6 at 64; from 16 "
                         "tokens 2 CTAs per block where that grid is 0.6-1 x the SMs, one cluster reducing through "
-                        "DSMEM with 8 stages where a head is one block), stream = the persistent split-K grid with a "
+                        "DSMEM, its ring filling shared memory, where a head is one block), stream = the persistent "
+                        "split-K grid with a "
                         "cp.async ring (configs as labelled: s = stages, g = wgmma, else mma.sync; k = CTAs per "
                         "block, d = those CTAs one cluster)."))
 

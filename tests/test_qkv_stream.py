@@ -45,9 +45,10 @@ def test_variant_and_template():
     assert KDEF.template_of(cluster) == "qkv_gemv.py.j2" and KDEF.variant_ptx(cluster) == KDEF.required_ptx
     # the heuristic (stream_config): bf16 tiles of 16 tokens and more stream, 6 stages; NVFP4 and 8 tokens cluster
     assert [dict(v.params).get("design", "cluster") for v in KDEF.variants(F64, T132)] == ["cluster"] + ["stream"] * 3
-    # wgmma where blocks are whole warpgroups (head_dim 96: the mma.sync ring), 8 stages below 64 tokens and with
-    # the cluster finish (flint's 40 heads of 128: 80 CTAs on 132 SMs)
-    assert [(v["stages"], v["wgmma"]) for v in KDEF.variants(F64, T132)[1:]] == [(8, True)] * 3
+    # wgmma where blocks are whole warpgroups (head_dim 96: the mma.sync ring), 8 stages below 64 tokens; with the
+    # cluster finish (flint's 40 heads of 128: 80 CTAs on 132 SMs) the ring fills shared memory: 12 / 10 / 8 stages
+    assert [(v["stages"], v["wgmma"]) for v in KDEF.variants(F64, T132)[1:]] == [(0, True)] * 3
+    assert [plan_of(dict(v.params)).ring_stages for v in KDEF.variants(F64, T132)[1:]] == [12, 10, 8]
     d96 = _spec("d96_r24")
     assert not any(dict(v.params).get("wgmma") for v in KDEF.variants(d96, T132))
     sc = functools.partial(sp.stream_config, hidden=2048)
@@ -63,11 +64,12 @@ def test_variant_and_template():
     assert sc("nvfp4", 64, 128) is None and sc("bf16", 8, 128) is None
     # the grid aligned to blocks, SPLITS CTAs each, where that grid is SPLITS_MIN_FILL .. 1 x the SMs (wgmma tiles
     # of 16 tokens and more; ctas = 0: the rule left out)
-    # and those CTAs one cluster reducing through DSMEM, 8 stages, where a head is one block (head_dim 64 / 128)
+    # and those CTAs one cluster reducing through DSMEM, the ring filling shared memory, where a head is one block
+    # (head_dim 64 / 128)
     k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
     for m in (16, 32, 64):
-        assert k132(m, 128, heads=40) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS, cluster=True)
-        assert k132(m, 64, heads=60) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS, cluster=True)
+        assert k132(m, 128, heads=40) == StreamConfig(wgmma=True, splits=sp.SPLITS, cluster=True)
+        assert k132(m, 64, heads=60) == StreamConfig(wgmma=True, splits=sp.SPLITS, cluster=True)
     assert k132(64, 256, heads=20) == StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
     assert k132(32, 256, heads=20) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS)
     assert k132(32, 128, heads=66).splits == 2 and k132(32, 128, heads=67).splits == 0    # 134 > 132 CTAs

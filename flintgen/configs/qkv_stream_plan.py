@@ -78,7 +78,7 @@ MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
 STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wgmma head dims only)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
-STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens, and every cluster-finish tile
+STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens (the cluster finish fills smem)
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
 FINISH_MAX_HEADS = 64   # ... where the slices (2 per head) fit 128 CTAs, one each
 SPLITS = 2              # wgmma tiles of 16-64 tokens: CTAs per block (the grid aligned to blocks, stream_config) ...
@@ -199,14 +199,17 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       and 64 tokens; 8-token tiles slower with two (hidden 4096: step 20.94
       -> 21.32); grids below 0.6 of the SMs not measured.
     * Where a head is one block (head_dim 64 or 128) those two CTAs are one
-      cluster reducing through distributed shared memory (``cluster``), with
-      8 stages at every tile: each finishes half the tokens, no workspace
-      round trip or counter wait (qkv_stream_cluster.md, H100, 3 runs, steps
-      at M = 16 / 32 / 64 against the workspace finish: hidden 2048 10.69 /
-      11.74 / 13.85 -> 10.52 / 11.00 / 12.05 us, GEMV 9.67 / 10.37 / 12.95
-      -> 9.62 / 10.07 / 10.79; hidden 4096 21.53 / 22.51 / 25.69 -> 21.13 /
-      22.37 / 22.91, GEMV 21.26 / 22.26 / 24.53 -> 20.16 / 20.83 / 21.64; 6
-      stages at 64 tokens: steps 11.98 / 23.39)."""
+      cluster reducing through distributed shared memory (``cluster``): each
+      finishes half the tokens, no workspace round trip or counter wait
+      (qkv_stream_cluster.md, H100, 3 runs, steps at M = 16 / 32 / 64
+      against the workspace finish, 8 stages: hidden 2048 10.69 / 11.74 /
+      13.85 -> 10.52 / 11.00 / 12.05 us, GEMV 9.67 / 10.37 / 12.95 -> 9.62 /
+      10.07 / 10.79; hidden 4096 21.53 / 22.51 / 25.69 -> 21.13 / 22.37 /
+      22.91, GEMV 21.26 / 22.26 / 24.53 -> 20.16 / 20.83 / 21.64), its ring
+      filling shared memory (``stages = 0``: 12 / 10 / 8 stages at 16 / 32
+      / 64 tokens; against 8, steps at 16 / 32 tokens 10.49 / 10.99 ->
+      10.24 / 10.85 and 20.73 / 22.09 -> 20.27 / 22.06, GEMV -0.40 / -0.30
+      and -0.60 / -0.19 us; the TMA ring was not faster)."""
     if weight_format != "bf16":
         return None
     whole_warpgroups = block_rows_of(head_dim) % WARPGROUP_ROWS == 0
@@ -218,7 +221,7 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
         return StreamConfig(stages=STREAM_STAGES)
     splits = SPLITS if ctas and SPLITS_MIN_FILL * ctas <= SPLITS * blocks_of(heads, head_dim) <= ctas else 0
     if splits and blocks_of(1, head_dim) == 1:
-        return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True, splits=splits, cluster=True)
+        return StreamConfig(wgmma=True, splits=splits, cluster=True)     # the ring fills shared memory
     if max_m > 32:
         return StreamConfig(stages=STREAM_STAGES, wgmma=True,
                             finish_tokens=FINISH_TOKENS if 0 < heads <= FINISH_MAX_HEADS else 0, splits=splits)
