@@ -385,7 +385,7 @@ FINISH_CASES = ([("flint_bf16", m, FIN16) for m in (1, 7, 9, 16, 33, 63, 64)]
 
 CLUSTER_CASES = [("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
                  ("oss_bf16", 17, K2D8), ("glm4", 63, K2D6), ("phi4_mini", 33, K2D6), ("qwen_896", 31, K4D6),
-                 ("qwen3_1024", 64, K2D6)]
+                 ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True))]
 
 
 @pytest.mark.gpu
@@ -438,7 +438,10 @@ CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (S
            (K4D6, 9, 32), (K4D6, 32, 32),
            # the cluster finish on the ring filling shared memory (12 stages at 16 tokens) and on the TMA ring
            (StreamConfig(wgmma=True, splits=2, cluster=True), 16, 16),
-           (StreamConfig(stages=8, wgmma=True, tma=True, splits=2, cluster=True), 33, 64)]
+           (StreamConfig(stages=8, wgmma=True, tma=True, splits=2, cluster=True), 33, 64),
+           # ... and on the mma.sync ring (one and two 16-row tiles per warp)
+           (StreamConfig(stages=6, splits=2, cluster=True), 17, 32),
+           (StreamConfig(stages=4, warp_tiles=2, splits=2, cluster=True), 64, 64)]
 
 
 def _ring_spec(max_tokens):
