@@ -212,16 +212,27 @@ def test_stream_l2_prefetch_compiles_clean(name, max_m, cfg, rolling):
     assert ptx[wait:].count("cp.async.bulk.prefetch.L2.global") == (p["max_segments"] if rolling else 0)
 
 
-# the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring)
+# a block's CTAs as one cluster reducing through DSMEM (StreamConfig.cluster): 2 ranks, 4 of 8 tokens each
+K2D6 = StreamConfig(stages=6, wgmma=True, splits=2, cluster=True)    # the 64-token tile's former ring
+K2D8 = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)    # the 16 / 32-token tiles' former ring
+K4D6 = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True)
+K2D = StreamConfig(wgmma=True, splits=2, cluster=True)               # the rule's: the ring fills shared memory
+# the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring); as a
+# cluster: 16 / 32 / 64 tokens, head dims 64 / 96 (mma.sync) / 128, bias, an fp8 cache, partial and interleaved rotary
 SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1)),
                   ("bf16_4096", 32, StreamConfig(stages=8, wgmma=True, tma=True, splits=2)),
-                  ("flint_bf16", 16, StreamConfig(stages=6, splits=3))]
+                  ("flint_bf16", 16, StreamConfig(stages=6, splits=3)),
+                  ("flint_bf16", 64, K2D6), ("flint_bf16", 16, K2D8), ("bf16_4096", 32, K2D), ("oss_bf16_fp8", 64, K2D6),
+                  ("qwen_896", 32, K4D6), ("phi4_mini", 64, K2D6), ("glm4", 16, K2D8),
+                  ("d96_r24", 64, StreamConfig(stages=6, splits=2, cluster=True))]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name, max_m, cfg", SPLITS_COMPILE,
                          ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in SPLITS_COMPILE])
 def test_stream_splits_compile_clean(name, max_m, cfg):
+    from flintgen.kernels.qkv_stream import CLUSTER_PTX, COUNTER_PTX
+
     spec = _spec(name)
     p, ptx = _compiled(spec, cfg, max_m)
     heads = spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank
@@ -229,33 +240,12 @@ def test_stream_splits_compile_clean(name, max_m, cfg):
     assert p["max_contributors"] == cfg.splits
     mma = f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16" if cfg.wgmma else "mma.sync.aligned.m16n8k16"
     assert mma in ptx
-
-
-# a block's CTAs as one cluster reducing through DSMEM (2 ranks; 4 at 32 tokens, 8 tokens each): 16 / 32 / 64
-# tokens, head dims 64 / 128, bias, an fp8 cache, partial and interleaved rotary
-K2D6 = StreamConfig(stages=6, wgmma=True, splits=2, cluster=True)    # the 64-token tile's ring
-K2D8 = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)    # the 16 / 32-token tiles'
-K4D6 = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True)
-CLUSTER_COMPILE = [("flint_bf16", 64, K2D6), ("flint_bf16", 16, K2D8), ("bf16_4096", 32, K2D8),
-                   ("oss_bf16_fp8", 64, K2D6), ("qwen_896", 32, K4D6), ("phi4_mini", 64, K2D6), ("glm4", 16, K2D8)]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("name, max_m, cfg", CLUSTER_COMPILE,
-                         ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in CLUSTER_COMPILE])
-def test_stream_cluster_compiles_clean(name, max_m, cfg):
-    from flintgen.kernels.qkv_stream import CLUSTER_PTX, COUNTER_PTX
-
-    spec = _spec(name)
-    p, ptx = _compiled(spec, cfg, max_m)
-    heads = spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank
-    assert p["cluster"] and p["grid"] == sp.blocks_of(heads, spec.head_dim) * cfg.splits
-    assert p["recv_bytes"] == (cfg.splits - 1) * spec.head_dim * (max_m // cfg.splits) * 4
-    # each rank sends the other ranks' slices, 16 bytes a store; no workspace partial, counter or poll
-    assert ptx.count("st.shared::cluster.v4.f32") == (cfg.splits - 1) * p["slice_values"] // 4
-    assert all(i in ptx for i in CLUSTER_PTX) and not any(i in ptx for i in COUNTER_PTX)
-    assert "ld.acquire" not in ptx and "st.global.v2.f32" not in ptx
-    assert f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16" in ptx
+    counters = [i in ptx for i in COUNTER_PTX]      # the workspace finish's atomic and counter reset
+    assert p["cluster"] == cfg.cluster and ((not any(counters)) if cfg.cluster else all(counters))
+    if cfg.cluster:   # each rank sends the other ranks' slices, 16 bytes a store; no workspace partial or poll
+        assert p["recv_bytes"] == (cfg.splits - 1) * spec.head_dim * (max_m // cfg.splits) * 4
+        assert ptx.count("st.shared::cluster.v4.f32") == (cfg.splits - 1) * p["slice_values"] // 4
+        assert all(i in ptx for i in CLUSTER_PTX) and "ld.acquire" not in ptx and "st.global.v2.f32" not in ptx
 
 
 # the wgmma ring filled by TMA: 8 / 16 / 64 tokens, head dims 64 / 128 / 256, an fp8 cache, with the L2 prefetch
