@@ -129,16 +129,6 @@ def stg_b16(addr, w, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def stg_b16_pred(addr, w, pred, *, loc=None, ip=None):
-    """``stg_b16`` where ``pred`` (Int32) is nonzero; no access otherwise."""
-    _asm(
-        [], [(Int64, addr), (Uint32, w), (Int32, pred)],
-        "{ .reg .pred p; .reg .b16 h; setp.ne.s32 p, $2, 0; cvt.u16.u32 h, $1; @p st.global.b16 [$0], h; }",
-        side_effects=True, loc=loc, ip=ip,
-    )  # fmt: skip
-
-
-@dsl_user_op
 def stg_b8(addr, w, *, loc=None, ip=None):
     """Store the low 8 bits of ``w`` (one fp8 byte) to global ``addr`` (PTX
     lets st take a register wider than its type: the value is truncated)."""
