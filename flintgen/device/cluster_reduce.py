@@ -20,7 +20,8 @@ No global workspace, counter or poll, and nothing to reset for the next
 launch. The cluster barrier is the last access to another CTA's shared
 memory, so a CTA may exit once it has passed it.
 
-Receive buffer of a CTA, fp32 ``[splits - 1, slice_values / 4, threads, 4]``:
+Receive buffer of a CTA, fp32 ``[splits - 1, slice_values / 4, threads, 4]``
+(its size: flintgen.configs.qkv_stream_plan.StreamPlan.recv_bytes):
 sender ``r``'s part lands in slot ``(r - p - 1) mod splits`` of receiver
 ``p``; a thread's 4 consecutive values are one 16-byte access and the
 threads' accesses adjacent (conflict-free).
@@ -33,11 +34,6 @@ from __future__ import annotations
 from cutlass import Int32
 
 from flintgen.device import ptx
-
-
-def recv_bytes(splits: int, slice_values: int, threads: int) -> int:
-    """Bytes of a CTA's receive buffer."""
-    return (splits - 1) * slice_values * threads * 4
 
 
 def _check(splits: int, slice_values: int) -> None:

@@ -23,13 +23,13 @@ from flintgen.spec import Spec
 TEMPLATE = "qkv_stream.py.j2"
 DESIGN = "stream"
 # What the design needs in every variant's PTX (tests/test_compile.py).
+COUNTER_PTX = ("atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")   # the workspace finish's
 REQUIRED_PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "cp.async.cg.shared.global",
-                "cp.async.wait_group", "atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")
+                "cp.async.wait_group") + COUNTER_PTX
 MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 WGMMA_PTX = ("wgmma.mma_async.sync.aligned", "fence.proxy.async.shared::cta", "wgmma.wait_group.sync.aligned")
 CLUSTER_PTX = ("barrier.cluster.arrive", "barrier.cluster.wait", "mapa.shared::cluster.u32",
                "st.shared::cluster.v4.f32")
-COUNTER_PTX = ("atom.acq_rel.gpu.global.add.s32", "st.relaxed.gpu.global.s32")   # the workspace finish's
 TMA_PTX = ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes", "mbarrier.try_wait",
            "elect.sync")
 
