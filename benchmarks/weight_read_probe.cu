@@ -12,7 +12,8 @@
 //   tma     R C S   same units, one thread: C/64 TMA 2D boxes [R][64] (128B swizzle)
 //   ldg     U G     no shared memory: warps read contiguous 512 B pieces, U in flight per thread
 //
-// Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs), xn (the TMA
+// Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs), units (16 / 32 KB
+// units at equal ring bytes), xn (the TMA
 // ring's stages also taking 16 / 32 / 64 rows of an L2-resident xn per unit, as the wgmma GEMV's), contig
 // (each unit a contiguous 16 KB image, one 1-D bulk copy: a unit-major weight layout).
 //
@@ -440,6 +441,21 @@ int main(int argc, char** argv) {
                 run_bulk<128, 64, 6, true>(c, g, &m128);
                 run_bulk<128, 64, 6, true, 64>(c, g, &m128, &x64);
             }
+        } else if (argc > 1 && strcmp(argv[1], "units") == 0) {
+            // 32 KB units (two 64-value K steps of a 128-row block per stage) against 16 KB ones at equal
+            // ring bytes (~216 KB), with and without xn's 16 rows, on the aligned grids of 2 and 3 CTAs per
+            // block (where they fit the SMs) and the SM count; twice, interleaved (the probe's run-to-run
+            // spread is a few %: run 5's 88 % for 32 KB units on 80 CTAs against runs 6-7's 76-79 % for 16 KB)
+            Shape xs{64, sh.k};
+            CUtensorMap x16 = make_map(x, xs, 16);
+            for (int rep = 0; rep < 2; ++rep)
+                for (int g : {2 * sh.n / 128, 3 * sh.n / 128, G}) {
+                    if (g > G) continue;
+                    run_bulk<128, 64, 12, true, 16>(c, g, &m128, &x16);
+                    run_bulk<128, 128, 6, true, 16>(c, g, &m128, &x16);
+                    run_bulk<128, 64, 12, true>(c, g, &m128);
+                    run_bulk<128, 128, 6, true>(c, g, &m128);
+                }
         } else if (argc > 1 && strcmp(argv[1], "contig") == 0) {
             // a unit-major weight layout (each 128-row x 64-value unit one contiguous 16 KB image, as a
             // prepacked W would hold it): one 1-D bulk copy per unit against the 2-D box of today's layout
