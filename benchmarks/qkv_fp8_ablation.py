@@ -33,9 +33,6 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
                 epilogue (q, k, v) predicated on addr < 0: never true, which ptxas cannot
                 know, so all values are computed and nothing is written
   bf16_nostore  the same on the bf16 reference (nostore - bf16_nostore: compute alone)
-  kv_first      the k / v heads' clusters launch first (blockIdx.y -> head (y + Q_HEADS) % heads), so the
-                q heads, whose epilogue has no cache write, are the launch's tail; bf16_kv_first the same
-                on the bf16 reference
   one_copy      is it the epilogue's code size? The conversion's fast copy alone (no div.rn copy behind the
                 uniform branch), so the tail runs less cold code
 
@@ -172,13 +169,6 @@ ONE_COPY = [("""                            if kv_scale.fast():   # uniform: the
 """, 1)]
 
 
-# the k / v heads' clusters first in launch order: the grid's late CTAs (landing as the previous launch's leave)
-# are then q heads, and the cache write's conversion is not on the launch's tail
-KV_FIRST = ("        _, head, _ = cute.arch.block_idx()\n",
-            "        _, head, _ = cute.arch.block_idx()\n"
-            "        head = (head + Q_HEADS) % (Q_HEADS + 2 * KV_HEADS)   # ablation kv_first\n", 1)
-
-
 class Ablation(QKVDef):
     """The QKVDef of one timed variant: the real template's rendering, with the epilogue
     helpers pasted in (``inline``), then ``patches``. Its own kernel name (the
@@ -224,8 +214,6 @@ VARIANTS = {a.tag: a for a in (
     Ablation("no_quant", F, False, NO_QUANT, "no conversion: bf16 low halves, the same 2-byte stores"),
     Ablation("nostore", F, True, NOSTORE, "epilogue stores (q, k, v) predicated off, values computed"),
     Ablation("bf16_nostore", B, True, NOSTORE, "bf16 reference, epilogue stores predicated off"),
-    Ablation("kv_first", F, False, KV_FIRST, "k / v heads' clusters launched first, q heads last"),
-    Ablation("bf16_kv_first", B, False, KV_FIRST, "bf16 reference, k / v heads' clusters launched first"),
     Ablation("one_copy", F, True, ONE_COPY, "the conversion's fast copy alone (no div.rn copy: smaller epilogue code)"),
 )}
 _FNS: dict = {}

@@ -132,7 +132,7 @@ def _cfg_id(c):
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
-        ("d" if c.cluster else "")
+        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -221,6 +221,9 @@ K2D6 = StreamConfig(stages=6, wgmma=True, splits=2, cluster=True)    # the 64-to
 K2D8 = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)    # the 16 / 32-token tiles' former ring
 K4D6 = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True)
 K2D = StreamConfig(wgmma=True, splits=2, cluster=True)               # the rule's: the ring fills shared memory
+K2DU = StreamConfig(wgmma=True, splits=2, cluster=True, unit_steps=2)   # ... with units of two K steps (32 KB)
+GU = StreamConfig(wgmma=True, unit_steps=2)                          # the persistent grid, units of two K steps
+GU6 = StreamConfig(stages=6, wgmma=True, unit_steps=2)               # ... 6 stages (tiles of 8 and 16 tokens)
 # the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring); as a
 # cluster: 16 / 32 / 64 tokens, head dims 64 / 96 (mma.sync) / 128, bias, an fp8 cache, partial and interleaved rotary
 SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1)),
@@ -229,6 +232,26 @@ SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1
                   ("flint_bf16", 64, K2D6), ("flint_bf16", 16, K2D8), ("bf16_4096", 32, K2D), ("oss_bf16_fp8", 64, K2D6),
                   ("qwen_896", 32, K4D6), ("phi4_mini", 64, K2D6), ("glm4", 16, K2D8),
                   ("d96_r24", 64, StreamConfig(stages=6, splits=2, cluster=True))]
+
+
+# units of two K steps (unit_steps = 2): the cluster finish at 16 / 64 tokens (head dims 64 / 128, an fp8 cache),
+# the persistent grid's ranges across blocks at the 8-token tile (hidden 4096) and with the spread finish
+UNIT_COMPILE = [("flint_bf16", 16, K2DU), ("flint_bf16", 64, K2DU), ("phi4_mini", 32, K2DU), ("glm4", 64, K2DU),
+                ("bf16_4096", 8, GU6), ("flint_bf16", 64, StreamConfig(stages=4, wgmma=True, finish_tokens=32,
+                                                                      unit_steps=2))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", UNIT_COMPILE, ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in UNIT_COMPILE])
+def test_stream_unit_steps_compile_clean(name, max_m, cfg):
+    spec = _spec(name)
+    p, ptx = _compiled(spec, cfg, max_m)
+    assert p["unit_steps"] == 2 and p["stage_bytes"] == 2 * (p["block_rows"] + max_m) * 128
+    assert p["units"] == sp.blocks_of(spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank, spec.head_dim) * (
+        spec.hidden_size // 128)
+    # one commit group per unit: its two sub-stages' 4 k16 steps each, per segment's unit loop
+    mma = f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16"
+    assert ptx.count(mma) == 8 * p["max_segments"] and ptx.count("wgmma.commit_group") == p["max_segments"]
 
 
 @pytest.mark.compile
@@ -377,7 +400,9 @@ FINISH_CASES = ([("flint_bf16", m, FIN16) for m in (1, 7, 9, 16, 33, 63, 64)]
                    ("bf16_4096", 48, FIN32)])
 
 
-CLUSTER_CASES = [("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
+CLUSTER_CASES = [("flint_bf16", 64, K2DU), ("flint_bf16", 16, K2DU), ("flint_bf16", 33, K2DU), ("phi4_mini", 9, K2DU),
+                 ("bf16_4096", 63, K2DU),
+                 ("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
                  ("oss_bf16", 17, K2D8), ("glm4", 63, K2D6), ("phi4_mini", 33, K2D6), ("qwen_896", 31, K4D6),
                  ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True))]
 
@@ -406,7 +431,7 @@ def test_stream_finish_numerics(name, m, cfg):
 # the register path (prefetch depths, 1 and 2 CTAs per SM)
 CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
-           (StreamConfig(warp_tiles=2, stages=4), 64, 64),
+           (StreamConfig(warp_tiles=2, stages=4), 64, 64), (GU6, 1, 8), (GU6, 8, 8), (GU, 40, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
            (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
@@ -456,7 +481,7 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6)]
+       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU)]
 
 
 @pytest.mark.gpu

@@ -277,6 +277,32 @@ def test_cluster_plan_and_refusals():
     assert not StreamConfig(splits=2).clusters_at(64)
 
 
+def test_unit_steps_plan_and_refusals():
+    """unit_steps = 2: a unit (one ring stage) is two 64-value K steps of a block, each a sub-stage of its
+    weight rows then its xn rows: half the units, twice the stage; the wgmma cp.async ring only."""
+    one = sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, splits=2, cluster=True)
+    two = sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, splits=2, cluster=True,
+                        unit_steps=2)
+    assert two.unit_k == 128 and two.steps == one.steps // 2 == 16 and two.units == one.units // 2
+    assert two.stage_bytes == 2 * one.stage_bytes == 2 * (128 + 16) * 128 and two.grid == one.grid == 80
+    assert two.ring_stages == 6 and two.lookahead == 4 and two.smem_bytes <= sp.SMEM_PER_CTA_MAX
+    # the persistent grid: ranges across blocks count units of two steps
+    p = sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=8, wgmma=True, unit_steps=2)
+    assert p.steps == 32 and p.units == 48 * 32 and p.max_segments == 2
+    assert StreamConfig(wgmma=True, splits=2, cluster=True, unit_steps=2).unit_steps == 2
+    for u in (0, 3, True):
+        with pytest.raises(ValueError, match=rf"unit_steps = {u!r} must be 1..2 K steps of 64 values per unit"):
+            sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, unit_steps=u)
+    with pytest.raises(ValueError, match=r"unit_steps = 2 \(several K steps per ring stage\) takes the wgmma ring "
+                                         r"filled by cp.async: wgmma = False must be True and tma = False False"):
+        StreamConfig(unit_steps=2)
+    with pytest.raises(ValueError, match=r"wgmma = True must be True and tma = True False, or use unit_steps = 1"):
+        StreamConfig(wgmma=True, tma=True, unit_steps=2)
+    with pytest.raises(ValueError, match=r"hidden = 2880 must be a positive multiple of 128 \(unit_steps = 2 K "
+                                         r"steps of 64\): use unit_steps = 1"):
+        sp.StreamPlan(hidden=2880, head_dim=64, heads=80, ctas=132, max_m=16, wgmma=True, unit_steps=2)
+
+
 def test_wgmma_plan_and_refusals():
     """wgmma stages hold unpadded swizzled rows; it takes the ring, one tile per warp and 64-row multiples."""
     from flintgen.device import wgmma

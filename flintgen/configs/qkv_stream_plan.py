@@ -1,8 +1,10 @@
 """Work plan of the streaming QKV GEMV (cute-free): a persistent split-K grid.
 
 The weights ``W [N, hidden]`` are cut into row blocks of ``block_rows`` rows
-(a head, or 128-row pieces of a 256-dim head) and each block into 64-value K
-steps. A *unit* is one (block, step): ``block_rows x 64`` weights. The units
+(a head, or 128-row pieces of a 256-dim head) and each block into K steps of
+``64 unit_steps`` values. A *unit* is one (block, step): ``block_rows x 64
+unit_steps`` weights (``unit_steps`` 1 or 2: 16 or 32 KB of a 128-row block,
+one ring stage). The units
 are numbered block-major, step-minor (``u = block * steps + step``) and the
 grid's ``grid`` CTAs take contiguous ranges::
 
@@ -73,6 +75,7 @@ K_STEP = 64             # k per unit (4 quads x 16 values)
 ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
+MAX_UNIT_STEPS = 2      # K_STEP steps per unit (and ring stage): 2 for the wgmma cp.async ring
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
@@ -113,7 +116,9 @@ class StreamConfig:
     ranges aligned to blocks; 0: the SM count x ``ctas_per_sm``, ranges across
     blocks) and ``cluster`` (those ``splits`` CTAs one cluster, reducing
     through distributed shared memory, each finishing ``1 / splits`` of the
-    tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``)."""
+    tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
+    ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
+    units of a 128-row block, the wgmma cp.async ring only)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -125,6 +130,7 @@ class StreamConfig:
     tma: bool = False
     splits: int = 0
     cluster: bool = False
+    unit_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.cluster and self.splits < 2:
@@ -132,11 +138,11 @@ class StreamConfig:
                              f"splits = {self.splits} must be >= 2")
         if self.splits < 0:
             raise ValueError(f"StreamConfig: splits = {self.splits} must be 0 (a CTA per SM) or >= 1 CTAs per block")
-        StreamPlan(hidden=K_STEP * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8, stages=self.stages,
-                   warp_tiles=self.warp_tiles, prefetch=self.prefetch,
+        StreamPlan(hidden=K_STEP * MAX_UNIT_STEPS * (MAX_PREFETCH + 1), head_dim=128, heads=1, ctas=1, max_m=8,
+                   stages=self.stages, warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
-                   tma=self.tma, splits=min(self.splits, 1))  # range checks
+                   tma=self.tma, splits=min(self.splits, 1), unit_steps=self.unit_steps)  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -255,10 +261,20 @@ class StreamPlan:
     tma: bool = False        # the wgmma ring filled by TMA tensor copies (an mbarrier per stage)
     splits: int = 0          # > 0: grid = blocks x splits, each CTA a contiguous K part of one block
     cluster: bool = False    # a block's splits CTAs one cluster: reduce-scatter through DSMEM, no workspace
+    unit_steps: int = 1      # K_STEP steps per unit (ring stage): 2 for 32 KB units of a 128-row block (wgmma ring)
 
     def __post_init__(self) -> None:
-        if self.hidden % K_STEP or self.hidden < K_STEP:
-            raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {K_STEP}")
+        if isinstance(self.unit_steps, bool) or self.unit_steps not in range(1, MAX_UNIT_STEPS + 1):
+            raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps!r} must be 1..{MAX_UNIT_STEPS} K steps of "
+                             f"{K_STEP} values per unit")
+        if self.unit_steps > 1 and (not self.wgmma or self.tma):
+            raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps} (several K steps per ring stage) takes "
+                             f"the wgmma ring filled by cp.async: wgmma = {self.wgmma} must be True and tma = "
+                             f"{self.tma} False, or use unit_steps = 1")
+        if self.hidden % self.unit_k or self.hidden < self.unit_k:
+            raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {self.unit_k} "
+                             f"(unit_steps = {self.unit_steps} K steps of {K_STEP})"
+                             + (": use unit_steps = 1" if self.unit_steps > 1 and self.hidden % K_STEP == 0 else ""))
         if self.head_dim % 16 or (self.head_dim > MAX_BLOCK_ROWS and self.head_dim % MAX_BLOCK_ROWS):
             raise ValueError(f"StreamPlan: head_dim = {self.head_dim} must be a multiple of 16, and of "
                              f"{MAX_BLOCK_ROWS} above {MAX_BLOCK_ROWS}")
@@ -356,8 +372,14 @@ class StreamPlan:
         return blocks_of(1, self.head_dim)
 
     @property
+    def unit_k(self) -> int:
+        """K values of a unit."""
+        return K_STEP * self.unit_steps
+
+    @property
     def steps(self) -> int:
-        return self.hidden // K_STEP
+        """Units of a block (its K steps of ``unit_k`` values)."""
+        return self.hidden // self.unit_k
 
     @property
     def blocks(self) -> int:
@@ -479,9 +501,9 @@ class StreamPlan:
     # ------------------------------------------------------------ shared memory
     @property
     def stage_bytes(self) -> int:
-        """One unit: ``block_rows`` weight rows, then ``max_m`` xn rows, each ROW_STRIDE bytes (wgmma:
-        K_STEP values, unpadded and swizzled)."""
-        return (self.block_rows + self.max_m) * (K_STEP * 2 if self.wgmma else ROW_STRIDE)
+        """One unit: per K_STEP step of it (``unit_steps``), ``block_rows`` weight rows, then ``max_m``
+        xn rows, each ROW_STRIDE bytes (wgmma: K_STEP values, unpadded and swizzled)."""
+        return self.unit_steps * (self.block_rows + self.max_m) * (K_STEP * 2 if self.wgmma else ROW_STRIDE)
 
     @property
     def head_rows_bytes(self) -> int:

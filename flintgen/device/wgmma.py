@@ -80,20 +80,22 @@ def _tied_asm(acc, inputs, asm, loc, ip):
 
 
 @dsl_user_op
-def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, *, loc=None, ip=None):
+def mma_unit(acc, a_lo, b_lo, n: int, ksteps: int, subs: int = 1, sub_bytes: int = 0, *, loc=None, ip=None):
     """``acc`` (n / 2 Float32, the layout above) += A B^T over ``ksteps`` k16 steps, A = the warpgroup's
     64 rows at descriptor ``a_lo``, B = ``n`` tokens at ``b_lo`` (desc_lo words of their k-step-0
-    addresses): one ``wgmma.m64n{n}k16`` per step, committed as one group and left in flight: the
-    caller waits (``wait_group``) before reading the accumulators or reusing the operands' shared
-    memory. The accumulators are the asm's tied operands (and wait_group's), so their reads follow
-    the wait."""
+    addresses), and the same for each of ``subs`` operand pairs ``sub_bytes`` further on (a stage's
+    sub-stages: a unit of several 64-value steps): one ``wgmma.m64n{n}k16`` per step, committed as one
+    group and left in flight: the caller waits (``wait_group``) before reading the accumulators or
+    reusing the operands' shared memory. The accumulators are the asm's tied operands (and
+    wait_group's), so their reads follow the wait."""
     nd = n // 2
     assert n % 8 == 0 and 8 <= n <= 256 and len(acc) == nd
     d = ", ".join(f"${i}" for i in range(nd))
     a, b, one = f"${nd}", f"${nd + 1}", f"${nd + 2}"
     body = [f"mov.b32 hi, {DESC_HI};", f"setp.ne.s32 p, {one}, 0;", "wgmma.fence.sync.aligned;"]
-    for kk in range(ksteps):
-        off = kk * K16_BYTES >> 4
+    assert sub_bytes % 16 == 0 and (subs == 1 or sub_bytes > 0)
+    for sub, kk in ((sub, kk) for sub in range(subs) for kk in range(ksteps)):
+        off = (sub * sub_bytes + kk * K16_BYTES) >> 4   # the 14-bit address field: shared memory < 256 KB
         body += [f"add.u32 lo, {a}, {off};", "mov.b64 da, {lo, hi};",
                  f"add.u32 lo, {b}, {off};", "mov.b64 db, {lo, hi};",
                  f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, da, db, p, 1, 1, 0, 0;"]
