@@ -77,15 +77,19 @@ def test_variant_and_template():
     assert k132(32, 256, heads=20).splits == 2                                            # two blocks a head
     assert k132(32, 96, heads=40) == StreamConfig(stages=6)                               # the mma.sync ring
     assert sp.stream_config("bf16", 32, 128, hidden=2048, heads=40, ctas=78).splits == 0  # 80 > 78 SMs
-    assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == StreamConfig(stages=8, wgmma=True)
+    assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == StreamConfig(wgmma=True, unit_steps=2)
     flint64 = _spec("flint_bf16").replace(max_tokens=64)
     assert [dict(v.params).get("splits", 0) for v in KDEF.variants(flint64, T132)] == [0, 2, 2, 2]
     assert [dict(v.params).get("dsmem_reduce", False) for v in KDEF.variants(flint64, T132)] == [False] + [True] * 3
     assert KDEF.config(flint64, 32) == StreamConfig(stages=8, wgmma=True)   # no target: the rule left out
-    # the 8-token tile streams (wgmma, 8 stages) from hidden 3584 on, for whole-warpgroup blocks only
-    assert sp.stream_config("bf16", 8, 128, hidden=3583) is None
+    # the 8-token tile streams for whole-warpgroup blocks only: from hidden 3072 where it is a multiple of 128
+    # (units of two K steps, the ring filling shared memory), from 3584 otherwise (wgmma, 8 stages)
+    assert sp.stream_config("bf16", 8, 128, hidden=3071 - 63) is None
+    assert sp.stream_config("bf16", 8, 128, hidden=3136) is None and sp.stream_config("bf16", 8, 128, hidden=3520) is None
     for d in (64, 128, 256):
-        assert sp.stream_config("bf16", 8, d, hidden=3584) == StreamConfig(stages=8, wgmma=True)
+        for h in (3072, 3200, 3584, 8192):
+            assert sp.stream_config("bf16", 8, d, hidden=h) == StreamConfig(wgmma=True, unit_steps=2)
+        assert sp.stream_config("bf16", 8, d, hidden=3648) == StreamConfig(stages=8, wgmma=True)
     assert sp.stream_config("bf16", 8, 96, hidden=8192) is None
     assert sp.stream_config("nvfp4", 8, 128, hidden=8192) is None
     assert {dict(v.params).get("design") for v in KDEF.variants(FLINT.replace(max_tokens=64), T132)} == {None}
@@ -165,8 +169,9 @@ def test_stream_compiles_clean(name, max_m):
 
 
 # what the op runs from 16 tokens (stream_config: 8 wgmma stages at 16 / 32 tokens, 6 at 64) on every compiled
-# shape whose blocks are whole warpgroups, and the 8-token tile: production (8 stages) from hidden 3584, else with
-# wgmma as a config (6 stages)
+# shape whose blocks are whole warpgroups, and the 8-token tile: production from hidden 3072 (units of two K steps,
+# 6 stages filling shared memory) where hidden is a multiple of 128, else from 3584 (8 stages), else with wgmma as a
+# config (6 stages)
 WGMMA_COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 8), ("bf16_4096", 16), ("bf16_4096", 32),
                  ("bf16_4096", 64), ("oss_bf16", 32), ("h16384_bf16", 8), ("h16384_bf16", 16), ("h16384_bf16", 64),
                  ("glm4", 32), ("glm4_fp8", 8), ("phi4_mini", 64), ("oss_bf16_fp8", 64), ("qwen_896", 16)]
@@ -177,15 +182,20 @@ WGMMA_COMPILE = [("flint_bf16", 8), ("flint_bf16", 64), ("bf16_4096", 8), ("bf16
 def test_stream_wgmma_compiles_clean(name, max_m):
     spec = _spec(name)
     production = isinstance(KDEF.config(spec, max_m), StreamConfig)
-    assert production == (max_m >= sp.STREAM_MIN_TOKENS or spec.hidden_size >= sp.STREAM_MIN_HIDDEN_8)
+    h = spec.hidden_size
+    assert production == (max_m >= sp.STREAM_MIN_TOKENS or h >= sp.STREAM_MIN_HIDDEN_8
+                          or (h >= sp.STREAM_MIN_HIDDEN_8_UNITS and h % 128 == 0))
     p, ptx = _compiled(spec, None if production else WGMMA, max_m)
     # the cluster finish (the rule's where two CTAs per block fill 0.6-1 x the SMs and a head is one block) fills
     # shared memory: 12 / 10 / 8 stages at 16 / 32 / 64 tokens for head dim 128
     cluster = production and KDEF.config(spec, max_m, T132).cluster
-    stages = {16: 12, 32: 10, 64: 8}[max_m] if cluster else (8 if production and max_m <= 32 else 6)
+    units2 = production and max_m == 8 and h % 128 == 0     # the 8-token rule's units of two K steps
+    stages = {16: 12, 32: 10, 64: 8}[max_m] if cluster else (8 if production and max_m <= 32 and not units2 else 6)
     assert p["use_wgmma"] is True and p["cluster"] == cluster and p["stages"] == stages
-    # each segment's unit: 4 k16 steps of m64n{max_m}k16, waited on once; no mma.sync
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4
+    assert p["unit_steps"] == (2 if units2 else 1)
+    # each segment's unit: 4 k16 steps of m64n{max_m}k16 per K step, waited on once; no mma.sync
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16") == p["max_segments"] * 4 * (
+        2 if units2 else 1)
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == p["max_segments"]
     assert "mma.sync" not in ptx
     if spec.kv_cache_dtype == "fp8_e4m3":   # k_scale / v_scale loaded before the grid wait, 1 / scale after it

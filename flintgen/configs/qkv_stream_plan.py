@@ -79,7 +79,8 @@ MAX_UNIT_STEPS = 2      # K_STEP steps per unit (and ring stage): 2 for the wgmm
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
-STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wgmma head dims only)
+STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wgmma head dims only) ...
+STREAM_MIN_HIDDEN_8_UNITS = 3072  # ... or this one where hidden is a multiple of 2 K_STEP (units of two K steps)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens (the cluster finish fills smem)
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
@@ -176,16 +177,19 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       11.29 / 18.56 at 32 against 13.90 / 22.06, 15.86 / 23.42 at 64 against
       20.89 / 31.10; 6 stages at M = 16 are slower in the step, 8 at 64
       slower); head_dim 96 keeps the mma.sync ring of 6 stages.
-    * The 8-token tile streams from hidden STREAM_MIN_HIDDEN_8 on, with
-      wgmma and 8 stages, where the heads' blocks are whole warpgroups
-      (qkv_stream_shapes.md, steps at M = 1 / 8, cluster design -> ring:
-      Qwen2.5-7B 3584 13.35 / 13.97 -> 11.91 / 12.01, hidden 4096 32/8
-      15.94 / 16.59 -> 15.81 / 16.11, Qwen2.5-14B 5120 21.04 / 22.51 ->
-      21.24 / 21.48, Llama-3-70B 8192 50.44 / 54.90 -> 42.81 / 42.93: the
-      cluster design's grid is one cluster per head, several waves there).
-      Below, the cluster design is faster (hidden 1024 4.48 / 4.66 against
-      6.05 / 6.29, 2048 8.13 / 8.46 against 8.65 / 8.89); head_dim 96 was
-      not measured streaming at 8 tokens and stays on the cluster design.
+    * The 8-token tile streams where the heads' blocks are whole
+      warpgroups: from hidden STREAM_MIN_HIDDEN_8_UNITS where hidden is a
+      multiple of 128, with units of two K steps (``unit_steps``) and the
+      ring filling shared memory (6 stages), else from STREAM_MIN_HIDDEN_8
+      with wgmma and 8 stages of one K step (qkv_u8.md, H100, steps at
+      M = 1 / 8 against 8 stages of one step: hidden 3584 14.44 / 14.70 ->
+      14.05 / 14.29 us, 4096 32/8 19.98 / 20.37 -> 19.51 / 19.77, 5120
+      27.63 / 27.99 -> 27.24 / 27.54, 8192 57.86 / 58.27 -> 57.34 / 57.84;
+      hidden 3072 24/8 on the cluster design 14.70 / 15.16 -> 13.59 /
+      13.88). Below 3072 the cluster design is faster (H100: hidden 2048
+      9.11 / 9.53 against 9.97 / 10.39, 1024 5.21 / 5.29 against 6.77 /
+      6.58); head_dim 96 was not measured streaming at 8 tokens and stays
+      on the cluster design.
     * The 64-token wgmma tile of at most FINISH_MAX_HEADS heads finishes heads
       in two slices of 32 tokens (``finish_tokens``), measured (qkv_stream.md,
       8fd9fb8): hidden 2048 / 4096 GEMV 12.11 / 19.70 us against 14.31 / 21.83
@@ -220,6 +224,8 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
         return None
     whole_warpgroups = block_rows_of(head_dim) % WARPGROUP_ROWS == 0
     if max_m < STREAM_MIN_TOKENS:
+        if whole_warpgroups and hidden >= STREAM_MIN_HIDDEN_8_UNITS and hidden % (2 * K_STEP) == 0:
+            return StreamConfig(wgmma=True, unit_steps=2)      # the ring fills shared memory
         if whole_warpgroups and hidden >= STREAM_MIN_HIDDEN_8:
             return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True)
         return None
