@@ -4,7 +4,8 @@ entries listed in prebuilt.txt (to carry them alone):
     FLINTGEN_CACHE_DIR=$PWD/.aotcache-t python tools/prebuild_gpu_tests.py [PART ...]
 
 PARTs: ``window-clusters`` and ``ab-tests`` (also ab-sanitize's): gpu_run.sh's targets of those names, both when no
-PART is given; and ``qkv:NAME,NAME..``: what ``flintgen.get_kernel(SPECS[NAME], "qkv")`` loads for
+PART is given; ``qkv-configs``: tests/test_qkv.py's other launch configs and tests/test_qkv_fp8.py's hand-picked
+specs; and ``qkv:NAME,NAME..``: what ``flintgen.get_kernel(SPECS[NAME], "qkv")`` loads for
 tests/test_qkv.py's SPECS (the production op's every token tile, with and without debug, and its RMSNorm), for the
 GPU tests of tests/test_qkv.py, test_qkv_tokens.py and test_qkv_fp8.py (a Pair needs NAME and NAME_fp8; NAME_t64,
 where SPECS has no such name, is SPECS[NAME] with max_tokens 64).
@@ -57,6 +58,16 @@ def plan(parts=PARTS):
                         else test_qkv.SPECS[name.removesuffix("_t64")].replace(max_tokens=64))
                 add_tiles(spec, token_tiles(spec.max_tokens))
                 add_norm(spec)
+        elif part == "qkv-configs":                    # test_qkv's other launch configs; test_qkv_fp8's hand specs
+            import test_qkv_fp8
+
+            for name, cfg, m in test_qkv.OTHER_CONFIGS:
+                spec = test_qkv.SPECS[name]
+                add_tiles(spec, [tt for tt in TOKEN_TILES if m <= tt <= 8], cfg)
+                add_norm(spec)
+            for spec in (test_qkv_fp8.HAND, test_qkv_fp8.HAND8):
+                add_tiles(spec, token_tiles(spec.max_tokens))
+                add_norm(spec)
         elif part == "stream-fp8":                     # test_stream_fp8_cache_bit_exact: each case's tile, both caches
             for name, m, cfg in stream.FP8:
                 for spec in (stream._spec(name), stream._spec(name).replace(kv_cache_dtype="fp8_e4m3")):
@@ -79,7 +90,7 @@ def plan(parts=PARTS):
                     add_tiles(spec, [tt for tt in TOKEN_TILES if m <= tt <= 8], cfg)
                     add_norm(spec)
         else:
-            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, stream-fp8 or "
+            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, qkv-configs, stream-fp8 or "
                              "qkv:NAME,NAME..")
         if part == "ab-tests":   # graph replay / back to back [tma], and their warmup
             for name in ("bf16_4096", "flint_bf16"):
