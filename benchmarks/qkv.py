@@ -236,7 +236,9 @@ class ProductionVariantDef(QKVDef):
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
         if isinstance(cfg, qkv_stream.StreamConfig):
-            return replace(cfg, l2_prefetch=self.l2, tma=self.tma and cfg.wgmma)
+            if self.tma and cfg.wgmma:   # the TMA ring's units are one K step
+                return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1)
+            return replace(cfg, l2_prefetch=self.l2)
         return replace(cfg, l2_prefetch=self.l2 > 0)
 
 

@@ -42,7 +42,7 @@ def test_production_variant_def_changes_one_thing():
         if isinstance(base, QKVConfig):   # the cluster design: its rows' rest prefetched, nothing else
             assert cfg == QKVConfig(base.rows, base.cluster, base.warps, base.prefetch, base.early_dequant, True)
         else:
-            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True})
+            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True, "unit_steps": 1})
 
 
 def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):

@@ -75,7 +75,7 @@ K_STEP = 64             # k per unit (4 quads x 16 values)
 ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
-MAX_UNIT_STEPS = 2      # K_STEP steps per unit (and ring stage): 2 for the wgmma ring
+MAX_UNIT_STEPS = 2      # K_STEP steps per unit (and ring stage): 2 for the wgmma cp.async ring
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
@@ -119,7 +119,7 @@ class StreamConfig:
     through distributed shared memory, each finishing ``1 / splits`` of the
     tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
-    units of a 128-row block, the wgmma ring only)."""
+    units of a 128-row block, the wgmma cp.async ring only)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -273,9 +273,10 @@ class StreamPlan:
         if isinstance(self.unit_steps, bool) or self.unit_steps not in range(1, MAX_UNIT_STEPS + 1):
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps!r} must be 1..{MAX_UNIT_STEPS} K steps of "
                              f"{K_STEP} values per unit")
-        if self.unit_steps > 1 and not self.wgmma:
+        if self.unit_steps > 1 and (not self.wgmma or self.tma):
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps} (several K steps per ring stage) takes "
-                             f"the wgmma ring: wgmma = {self.wgmma} must be True, or use unit_steps = 1")
+                             f"the wgmma ring filled by cp.async: wgmma = {self.wgmma} must be True and tma = "
+                             f"{self.tma} False, or use unit_steps = 1")
         if self.hidden % self.unit_k or self.hidden < self.unit_k:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {self.unit_k} "
                              f"(unit_steps = {self.unit_steps} K steps of {K_STEP})"
