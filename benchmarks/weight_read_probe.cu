@@ -13,7 +13,7 @@
 //   ldg     U G     no shared memory: warps read contiguous 512 B pieces, U in flight per thread
 //
 // Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs), units (16 / 32 KB
-// units at equal ring bytes), xn (the TMA
+// units at equal ring bytes), issuers (those rings by cp.async from every thread), xn (the TMA
 // ring's stages also taking 16 / 32 / 64 rows of an L2-resident xn per unit, as the wgmma GEMV's), contig
 // (each unit a contiguous 16 KB image, one 1-D bulk copy: a unit-major weight layout).
 //
@@ -453,6 +453,16 @@ int main(int argc, char** argv) {
                     if (g > G) continue;
                     run_bulk<128, 64, 12, true, 16>(c, g, &m128, &x16);
                     run_bulk<128, 128, 6, true, 16>(c, g, &m128, &x16);
+                    run_bulk<128, 64, 12, true>(c, g, &m128);
+                    run_bulk<128, 128, 6, true>(c, g, &m128);
+                }
+        } else if (argc > 1 && strcmp(argv[1], "issuers") == 0) {
+            // run 8's 32 KB units: is it the unit or the TMA producer warp? The same rings filled by cp.async
+            // from every thread with a CTA barrier per unit (the streaming GEMV's way); twice, interleaved
+            for (int rep = 0; rep < 2; ++rep)
+                for (int g : {2 * sh.n / 128, G}) {
+                    run_cpasync<128, 64, 12>(c, g);
+                    run_cpasync<128, 128, 6>(c, g);
                     run_bulk<128, 64, 12, true>(c, g, &m128);
                     run_bulk<128, 128, 6, true>(c, g, &m128);
                 }
