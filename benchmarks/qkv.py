@@ -236,7 +236,9 @@ class ProductionVariantDef(QKVDef):
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
         if isinstance(cfg, qkv_stream.StreamConfig):
-            return replace(cfg, l2_prefetch=self.l2, tma=self.tma and cfg.wgmma)
+            if self.tma and cfg.wgmma:   # the TMA ring's units are one K step
+                return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1)
+            return replace(cfg, l2_prefetch=self.l2)
         return replace(cfg, l2_prefetch=self.l2 > 0)
 
 
@@ -245,8 +247,7 @@ def stream_configs():
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks, d: those CTAs
-    one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage, P: the TMA ring
-    filled by a producer warp) and the op's
+    one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage) and the op's
     own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on
     its wgmma tiles (T, TL, TL8; ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A
     config a spec cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why
@@ -265,18 +266,18 @@ def stream_configs():
                 out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?"
-                                 r"(?:k(\d+))?(d)?(?:u(\d+))?(P)?", c)
+                                 r"(?:k(\d+))?(d)?(?:u(\d+))?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
-                                 "f<tokens>l<units>k<splits>[d]u<steps>[P] (in that order, each part optional), T, L, L<units>, TL, "
+                                 "f<tokens>l<units>k<splits>[d]u<steps> (in that order, each part optional), T, L, L<units>, TL, "
                                  "TL<units>")
-            w, st, p, cs, g, tma, f, l2, k, dsmem, us, prod = parts.groups()
+            w, st, p, cs, g, tma, f, l2, k, dsmem, us = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
                                                                 wgmma=g is not None, finish_tokens=int(f or 0),
                                                                 l2_prefetch=int(l2 or 0), tma=tma is not None,
                                                                 splits=int(k or 0), cluster=dsmem is not None,
-                                                                unit_steps=int(us or 1), producer=prod is not None),
+                                                                unit_steps=int(us or 1)),
                           KDEF))
     return out
 

@@ -42,7 +42,7 @@ def test_production_variant_def_changes_one_thing():
         if isinstance(base, QKVConfig):   # the cluster design: its rows' rest prefetched, nothing else
             assert cfg == QKVConfig(base.rows, base.cluster, base.warps, base.prefetch, base.early_dequant, True)
         else:
-            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True})
+            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True, "unit_steps": 1})
 
 
 def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
@@ -59,7 +59,7 @@ def test_bad_label_is_refused(monkeypatch):
     # x9, and the labels of options since removed (h: tail heads, d: pool steps, n: fused norm)
     for label in ("x9", "s6gf8h10", "s8gf8d13", "s8gn"):
         with pytest.raises(ValueError,
-                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits>\[d\]u<steps>\[P\] \("):
+                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits>\[d\]u<steps> \("):
             _configs(monkeypatch, label)
 
 

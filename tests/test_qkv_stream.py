@@ -136,7 +136,7 @@ def _cfg_id(c):
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
-        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("P" if c.producer else "")
+        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -232,9 +232,6 @@ K2D8 = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)    # the 16 / 
 K4D6 = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True)
 K2D = StreamConfig(wgmma=True, splits=2, cluster=True)               # the rule's: the ring fills shared memory
 K2DU = StreamConfig(wgmma=True, splits=2, cluster=True, unit_steps=2)   # ... with units of two K steps (32 KB)
-# the TMA ring filled by a producer warp, the cluster finish: units of two K steps (32 KB) and of one
-KP2 = StreamConfig(wgmma=True, tma=True, splits=2, cluster=True, unit_steps=2, producer=True)
-KP1 = StreamConfig(wgmma=True, tma=True, splits=2, cluster=True, producer=True)
 GU = StreamConfig(wgmma=True, unit_steps=2)                          # the persistent grid, units of two K steps
 GU6 = StreamConfig(stages=6, wgmma=True, unit_steps=2)               # ... 6 stages (tiles of 8 and 16 tokens)
 # the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring); as a
@@ -251,9 +248,7 @@ SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1
 # the persistent grid's ranges across blocks at the 8-token tile (hidden 4096) and with the spread finish
 UNIT_COMPILE = [("flint_bf16", 16, K2DU), ("flint_bf16", 64, K2DU), ("phi4_mini", 32, K2DU), ("glm4", 64, K2DU),
                 ("bf16_4096", 8, GU6), ("flint_bf16", 64, StreamConfig(stages=4, wgmma=True, finish_tokens=32,
-                                                                      unit_steps=2)),
-                ("flint_bf16", 32, StreamConfig(wgmma=True, tma=True, splits=2, cluster=True, unit_steps=2)),
-                ("bf16_4096", 8, StreamConfig(stages=6, wgmma=True, tma=True, unit_steps=2))]
+                                                                      unit_steps=2))]
 
 
 @pytest.mark.compile
@@ -267,9 +262,6 @@ def test_stream_unit_steps_compile_clean(name, max_m, cfg):
     # one commit group per unit: its two sub-stages' 4 k16 steps each, per segment's unit loop
     mma = f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16"
     assert ptx.count(mma) == 8 * p["max_segments"] and ptx.count("wgmma.commit_group") == p["max_segments"]
-    if cfg.tma:   # a box per operand and step, four a unit: the prologue's lookahead units and each segment's loop
-        assert ptx.count("cp.async.bulk.tensor.2d") == 4 * (p["lookahead"] + p["max_segments"])
-        assert "cp.async.cg" not in ptx
 
 
 @pytest.mark.compile
@@ -418,13 +410,8 @@ FINISH_CASES = ([("flint_bf16", m, FIN16) for m in (1, 7, 9, 16, 33, 63, 64)]
                    ("bf16_4096", 48, FIN32)])
 
 
-CLUSTER_CASES = [("flint_bf16", 16, KP2), ("flint_bf16", 33, KP2), ("flint_bf16", 64, KP2), ("bf16_4096", 40, KP2),
-                 ("phi4_mini", 9, KP2), ("qwen_896", 31, StreamConfig(wgmma=True, tma=True, splits=4, cluster=True,
-                                                                      producer=True)),
-                 ("flint_bf16", 17, KP1), ("bf16_4096", 64, KP1),
-                 ("flint_bf16", 64, K2DU), ("flint_bf16", 16, K2DU), ("flint_bf16", 33, K2DU), ("phi4_mini", 9, K2DU),
-                 ("bf16_4096", 63, K2DU), ("flint_bf16", 33, StreamConfig(wgmma=True, tma=True, splits=2, cluster=True,
-                                                                            unit_steps=2)),
+CLUSTER_CASES = [("flint_bf16", 64, K2DU), ("flint_bf16", 16, K2DU), ("flint_bf16", 33, K2DU), ("phi4_mini", 9, K2DU),
+                 ("bf16_4096", 63, K2DU),
                  ("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
                  ("oss_bf16", 17, K2D8), ("glm4", 63, K2D6), ("phi4_mini", 33, K2D6), ("qwen_896", 31, K4D6),
                  ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True))]
@@ -454,7 +441,7 @@ def test_stream_finish_numerics(name, m, cfg):
 # the register path (prefetch depths, 1 and 2 CTAs per SM)
 CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
-           (StreamConfig(warp_tiles=2, stages=4), 64, 64), (GU6, 1, 8), (GU6, 8, 8), (GU, 40, 64), (StreamConfig(stages=6, wgmma=True, tma=True, unit_steps=2), 5, 8),
+           (StreamConfig(warp_tiles=2, stages=4), 64, 64), (GU6, 1, 8), (GU6, 8, 8), (GU, 40, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
            (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
@@ -504,7 +491,7 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU), ("glm4", 24, KP2)]
+       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU)]
 
 
 @pytest.mark.gpu

@@ -293,27 +293,14 @@ def test_unit_steps_plan_and_refusals():
     for u in (0, 3, True):
         with pytest.raises(ValueError, match=rf"unit_steps = {u!r} must be 1..2 K steps of 64 values per unit"):
             sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, unit_steps=u)
-    with pytest.raises(ValueError, match=r"unit_steps = 2 \(several K steps per ring stage\) takes the wgmma ring: "
-                                         r"wgmma = False must be True, or use unit_steps = 1"):
+    with pytest.raises(ValueError, match=r"unit_steps = 2 \(several K steps per ring stage\) takes the wgmma ring "
+                                         r"filled by cp.async: wgmma = False must be True and tma = False False"):
         StreamConfig(unit_steps=2)
-    assert StreamConfig(wgmma=True, tma=True, unit_steps=2).tma     # the TMA ring: a box per operand and step
+    with pytest.raises(ValueError, match=r"wgmma = True must be True and tma = True False, or use unit_steps = 1"):
+        StreamConfig(wgmma=True, tma=True, unit_steps=2)
     with pytest.raises(ValueError, match=r"hidden = 2880 must be a positive multiple of 128 \(unit_steps = 2 K "
                                          r"steps of 64\): use unit_steps = 1"):
         sp.StreamPlan(hidden=2880, head_dim=64, heads=80, ctas=132, max_m=16, wgmma=True, unit_steps=2)
-
-
-def test_producer_plan_and_refusals():
-    """producer: one more warp issues the TMA ring's copies; every stage in flight, two mbarriers a stage."""
-    base = dict(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, tma=True, splits=2, cluster=True)
-    p = sp.StreamPlan(**base, unit_steps=2, producer=True)
-    q = sp.StreamPlan(**base, unit_steps=2)
-    assert p.threads == 32 * (p.warps + 1) == 288 and q.threads == 256
-    assert p.lookahead == p.ring_stages and q.lookahead == q.ring_stages - 2
-    assert p.smem_bytes_for(6) == q.smem_bytes_for(6) + 6 * sp.MBARRIER_BYTES
-    for kw in (dict(tma=False), dict(cluster=False, splits=0)):
-        with pytest.raises(ValueError, match=r"producer = True \(a warp issuing the TMA ring's copies\) takes the TMA "
-                                             r"ring and the cluster finish: tma = \w+ and cluster = \w+ must be True"):
-            StreamConfig(**{**dict(wgmma=True, tma=True, splits=2, cluster=True), **kw}, producer=True)
 
 
 def test_wgmma_plan_and_refusals():

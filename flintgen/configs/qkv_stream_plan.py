@@ -75,7 +75,7 @@ K_STEP = 64             # k per unit (4 quads x 16 values)
 ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
-MAX_UNIT_STEPS = 2      # K_STEP steps per unit (and ring stage): 2 for the wgmma ring
+MAX_UNIT_STEPS = 2      # K_STEP steps per unit (and ring stage): 2 for the wgmma cp.async ring
 FLAG_BYTES = 16         # the arrival result broadcast to the CTA
 MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
@@ -119,11 +119,7 @@ class StreamConfig:
     through distributed shared memory, each finishing ``1 / splits`` of the
     tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
-    units of a 128-row block, the wgmma ring only) and ``producer`` (the
-    TMA ring filled by one more warp that does nothing else: it refills a
-    stage as soon as every MMA warp has released it (an mbarrier per stage
-    each way), no CTA barrier per unit; with ``cluster``, at the tiles that
-    take it: ``clusters_at``)."""
+    units of a 128-row block, the wgmma cp.async ring only)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -136,7 +132,6 @@ class StreamConfig:
     splits: int = 0
     cluster: bool = False
     unit_steps: int = 1
-    producer: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster and self.splits < 2:
@@ -149,9 +144,6 @@ class StreamConfig:
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
                    tma=self.tma, splits=min(self.splits, 1), unit_steps=self.unit_steps)  # range checks
-        if self.producer and not (self.tma and self.cluster):
-            raise ValueError(f"StreamConfig: producer = True (a warp issuing the TMA ring's copies) takes the TMA "
-                             f"ring and the cluster finish: tma = {self.tma} and cluster = {self.cluster} must be True")
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -276,15 +268,15 @@ class StreamPlan:
     splits: int = 0          # > 0: grid = blocks x splits, each CTA a contiguous K part of one block
     cluster: bool = False    # a block's splits CTAs one cluster: reduce-scatter through DSMEM, no workspace
     unit_steps: int = 1      # K_STEP steps per unit (ring stage): 2 for 32 KB units of a 128-row block (wgmma ring)
-    producer: bool = False   # the TMA ring filled by one more warp, stages released by mbarrier (cluster finish)
 
     def __post_init__(self) -> None:
         if isinstance(self.unit_steps, bool) or self.unit_steps not in range(1, MAX_UNIT_STEPS + 1):
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps!r} must be 1..{MAX_UNIT_STEPS} K steps of "
                              f"{K_STEP} values per unit")
-        if self.unit_steps > 1 and not self.wgmma:
+        if self.unit_steps > 1 and (not self.wgmma or self.tma):
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps} (several K steps per ring stage) takes "
-                             f"the wgmma ring: wgmma = {self.wgmma} must be True, or use unit_steps = 1")
+                             f"the wgmma ring filled by cp.async: wgmma = {self.wgmma} must be True and tma = "
+                             f"{self.tma} False, or use unit_steps = 1")
         if self.hidden % self.unit_k or self.hidden < self.unit_k:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {self.unit_k} "
                              f"(unit_steps = {self.unit_steps} K steps of {K_STEP})"
@@ -338,9 +330,6 @@ class StreamPlan:
                              "finish_tokens = 0")
         if self.cluster:
             self._check_cluster()
-        if self.producer and not (self.tma and self.cluster):
-            raise ValueError(f"StreamPlan: producer = True (a warp issuing the TMA ring's copies) takes the TMA ring "
-                             f"and the cluster finish: tma = {self.tma} and cluster = {self.cluster} must be True")
         if self.tma and not self.wgmma:
             raise ValueError(f"StreamPlan: tma = True writes the 128-byte swizzled stages of the wgmma ring: "
                              f"wgmma = {self.wgmma} must be True (and prefetch = {self.prefetch} 0)")
@@ -382,13 +371,7 @@ class StreamPlan:
 
     @property
     def warps(self) -> int:
-        """MMA warps (the producer warp not counted)."""
         return self.block_rows // (16 * self.warp_tiles)
-
-    @property
-    def threads(self) -> int:
-        """A CTA's threads: the MMA warps' and the producer warp's."""
-        return 32 * (self.warps + (1 if self.producer else 0))
 
     @property
     def blocks_per_head(self) -> int:
@@ -547,8 +530,8 @@ class StreamPlan:
     def smem_bytes_for(self, stages: int) -> int:
         """Ring (128-aligned, first; wgmma: 1024), the TMA ring's mbarriers (8 bytes a stage), head rows (16),
         the flag (16), the cluster's receive buffer (16)."""
-        barriers = (2 if self.producer else 1) * MBARRIER_BYTES if self.tma else 0   # full (and empty) per stage
-        return (stages * (self.stage_bytes + barriers) + self.head_rows_bytes + FLAG_BYTES + self.recv_bytes)
+        return (stages * (self.stage_bytes + (MBARRIER_BYTES if self.tma else 0)) + self.head_rows_bytes + FLAG_BYTES
+                + self.recv_bytes)
 
     # ------------------------------------------------------------ register path
     @property
@@ -571,10 +554,7 @@ class StreamPlan:
     def lookahead(self) -> int:
         """Ring path: units whose copies are in flight (the first ones issued before the grid-dependency
         wait). A wgmma unit's MMAs stay in flight past the next unit's barrier, so its stage is refilled
-        one unit later; with ``producer`` every stage is in flight (a unit's MMAs are waited on before its
-        stage is released)."""
-        if self.producer:
-            return self.ring_stages
+        one unit later."""
         return self.ring_stages - (2 if self.wgmma else 1)
 
     @property

@@ -18,10 +18,6 @@ mbarrier::
     W [N, hidden] bf16, row-major      -> stage s + 0:            [rows, 64], SW128
     xn [M, hidden] bf16, row-major     -> stage s + 128 rows:     [max_m, 64], SW128
     unit u = (block b = u // steps, step k = u % steps): W box at (row rows b, col 64 k), xn box at (0, 64 k)
-
-A unit of ``unit_steps`` 64-value steps (StreamPlan.unit_steps) takes a box per operand and step, each into
-its sub-stage (the ring viewed as ``stages x unit_steps`` sub-stages of one step's rows), all counted on the
-stage's one mbarrier.
 """
 
 from __future__ import annotations

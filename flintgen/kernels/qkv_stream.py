@@ -84,8 +84,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
                       l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), splits=p.get("splits", 0),
-                      cluster=p.get("dsmem_reduce", False), unit_steps=p.get("unit_steps", 1),
-                      producer=p.get("producer", False))
+                      cluster=p.get("dsmem_reduce", False), unit_steps=p.get("unit_steps", 1))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -105,8 +104,6 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs)
     if cfg.clusters_at(max_m):      # a tile of fewer n-tiles than ranks finishes through the workspace
         p["dsmem_reduce"] = True
-        if cfg.producer:            # (the producer warp with the cluster finish only)
-            p["producer"] = True
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
     plan_of(p)   # raises where the shape does not fit
@@ -132,8 +129,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
         "tma": plan.tma, "splits": plan.splits, "cluster": plan.cluster, "slice_values": plan.slice_values,
-        "recv_bytes": plan.recv_bytes, "unit_steps": plan.unit_steps, "producer": plan.producer,
-        "cta_threads": plan.threads,
+        "recv_bytes": plan.recv_bytes, "unit_steps": plan.unit_steps,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
