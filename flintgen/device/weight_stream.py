@@ -5,9 +5,10 @@ Provenance: written for flintgen's streaming QKV GEMV.
 * ``cp.async`` 16-byte pieces global -> shared (``.cg``: L2 only, the weights
   are read once), zero-filled where a predicate is 0 (tokens >= M), grouped and
   waited on per ring stage.
-* One stage (``stage`` = its shared address) holds a unit: ``rows`` weight rows
-  and then ``max_m`` xn token rows, 64 bf16 values (128 bytes) each, at
-  ``ROW_STRIDE``-byte pitch::
+* One stage (``stage`` = its shared address) holds a unit: per 64-value K step
+  of it (a sub-stage; StreamPlan.unit_steps of them, the template's
+  SUB_BYTES apart) ``rows`` weight rows and then ``max_m`` xn token rows, 64
+  bf16 values (128 bytes) each, at ``ROW_STRIDE``-byte pitch::
 
       stage + r * ROW_STRIDE              weight row r of the block, values [64 s, 64 s + 64)
       stage + (rows + n) * ROW_STRIDE     token n of xn, the same values
