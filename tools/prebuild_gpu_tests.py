@@ -51,6 +51,14 @@ def plan(parts=PARTS):
         for v in rms.variants(spec, t):
             add(rms, spec, v)
 
+    def add_other_configs(keep=lambda cfg: True):
+        """test_qkv's other launch configs (the cluster design, debug and not) that ``keep`` takes."""
+        for name, cfg, m in test_qkv.OTHER_CONFIGS:
+            if keep(cfg):
+                spec = test_qkv.SPECS[name]
+                add_tiles(spec, [tt for tt in TOKEN_TILES if m <= tt <= 8], cfg)
+                add_norm(spec)
+
     for part in parts:
         if part.startswith("qkv:"):                   # the production op of test_qkv's SPECS
             for name in part[4:].split(","):   # NAME_t64 not in SPECS: SPECS[NAME] with max_tokens 64 (a test's replace)
@@ -61,10 +69,7 @@ def plan(parts=PARTS):
         elif part == "qkv-configs":                    # test_qkv's other launch configs; test_qkv_fp8's hand specs
             import test_qkv_fp8
 
-            for name, cfg, m in test_qkv.OTHER_CONFIGS:
-                spec = test_qkv.SPECS[name]
-                add_tiles(spec, [tt for tt in TOKEN_TILES if m <= tt <= 8], cfg)
-                add_norm(spec)
+            add_other_configs()
             for spec in (test_qkv_fp8.HAND, test_qkv_fp8.HAND8):
                 add_tiles(spec, token_tiles(spec.max_tokens))
                 add_norm(spec)
@@ -84,11 +89,7 @@ def plan(parts=PARTS):
             for cfg, _, max_tokens in stream.CONFIGS:   # ab-tests' and ab-sanitize's -k: ids holding gt or l
                 if "gt" in stream._cfg_id(cfg) or "l" in stream._cfg_id(cfg):
                     add_tiles(stream._ring_spec(max_tokens)[1], token_tiles(max_tokens), cfg)
-            for name, cfg, m in test_qkv.OTHER_CONFIGS:   # the cluster design with L2 prefetch (Case.run: debug)
-                if cfg.l2_prefetch:
-                    spec = test_qkv.SPECS[name]
-                    add_tiles(spec, [tt for tt in TOKEN_TILES if m <= tt <= 8], cfg)
-                    add_norm(spec)
+            add_other_configs(lambda cfg: cfg.l2_prefetch)   # the cluster design with L2 prefetch (Case.run: debug)
         else:
             raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, qkv-configs, stream-fp8 or "
                              "qkv:NAME,NAME..")
