@@ -294,9 +294,11 @@ def test_unit_steps_plan_and_refusals():
         with pytest.raises(ValueError, match=rf"unit_steps = {u!r} must be 1..2 K steps of 64 values per unit"):
             sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, unit_steps=u)
     with pytest.raises(ValueError, match=r"unit_steps = 2 \(several K steps per ring stage\) takes the wgmma ring "
-                                         r"filled by cp.async: wgmma = False must be True and tma = False False"):
+                                         r"filled by cp.async: wgmma = False must be True and tma = False must be "
+                                         r"False"):
         StreamConfig(unit_steps=2)
-    with pytest.raises(ValueError, match=r"wgmma = True must be True and tma = True False, or use unit_steps = 1"):
+    with pytest.raises(ValueError, match=r"wgmma = True must be True and tma = True must be False, or use "
+                                         r"unit_steps = 1"):
         StreamConfig(wgmma=True, tma=True, unit_steps=2)
     with pytest.raises(ValueError, match=r"hidden = 2880 must be a positive multiple of 128 \(unit_steps = 2 K "
                                          r"steps of 64\): use unit_steps = 1"):

@@ -276,7 +276,7 @@ class StreamPlan:
         if self.unit_steps > 1 and (not self.wgmma or self.tma):
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps} (several K steps per ring stage) takes "
                              f"the wgmma ring filled by cp.async: wgmma = {self.wgmma} must be True and tma = "
-                             f"{self.tma} False, or use unit_steps = 1")
+                             f"{self.tma} must be False, or use unit_steps = 1")
         if self.hidden % self.unit_k or self.hidden < self.unit_k:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {self.unit_k} "
                              f"(unit_steps = {self.unit_steps} K steps of {K_STEP})"
