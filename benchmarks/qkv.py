@@ -227,7 +227,8 @@ def fp8_specs():
 class ProductionVariantDef(QKVDef):
     """The op's own configuration per token tile with one change: weights prefetched into L2 before the
     grid-dependency wait (``l2``: units per range on the streaming design, a huge number for the whole
-    range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``)."""
+    range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``; the TMA
+    ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one)."""
 
     def __init__(self, l2: int = 0, tma: bool = False):
         super().__init__()

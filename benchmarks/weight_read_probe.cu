@@ -13,9 +13,9 @@
 //   ldg     U G     no shared memory: warps read contiguous 512 B pieces, U in flight per thread
 //
 // Modes (argv[1]): none, all, wait (wait-first), packed, few (the TMA ring on 40..132 CTAs), units (16 / 32 KB
-// units at equal ring bytes), issuers (those rings by cp.async from every thread), xn (the TMA
-// ring's stages also taking 16 / 32 / 64 rows of an L2-resident xn per unit, as the wgmma GEMV's), contig
-// (each unit a contiguous 16 KB image, one 1-D bulk copy: a unit-major weight layout).
+// units at equal ring bytes), issuers (those rings by cp.async from every thread), xn (the TMA ring's stages
+// also taking 16 / 32 / 64 rows of an L2-resident xn per unit, as the wgmma GEMV's), contig (each unit a
+// contiguous 16 KB image, one 1-D bulk copy: a unit-major weight layout).
 //
 // Weights rotate over copies beyond L2. Output: one line per case, us per launch and % of
 // a 4 GiB read measured in the same process.
