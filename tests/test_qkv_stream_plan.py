@@ -344,3 +344,22 @@ def test_tma_ring_plan():
     assert t.lookahead == p.lookahead == 4
     with pytest.raises(ValueError, match=r"tma = True writes the 128-byte swizzled stages of the wgmma ring"):
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=6, tma=True)
+
+
+def test_early_fill_plan_and_refusals():
+    """early_fill: every ring stage's weights copied before the grid wait (the lookahead's otherwise)."""
+    for wgmma, extra in ((True, 2), (False, 1)):
+        base = sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=8, stages=6, wgmma=wgmma)
+        early = sp.StreamPlan(**{**base.__dict__, "early_fill": True})
+        assert base.prewait_units == base.lookahead == 6 - extra
+        assert early.prewait_units == early.ring_stages == 6 and early.lookahead == base.lookahead
+    assert StreamConfig(wgmma=True, unit_steps=2, early_fill=True).early_fill
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match=rf"early_fill = {bad!r} must be True or False"):
+            sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, early_fill=bad)
+    with pytest.raises(ValueError, match=r"early_fill = True fills the cp.async ring's stages before the grid wait: "
+                                         r"tma = True \(the TMA ring\) must be False, or use early_fill = False"):
+        StreamConfig(wgmma=True, tma=True, early_fill=True)
+    with pytest.raises(ValueError, match=r"early_fill = True fills .*: prefetch = 2 \(the register path\) must be "
+                                         r"0, or use early_fill = False"):
+        StreamConfig(prefetch=2, early_fill=True)

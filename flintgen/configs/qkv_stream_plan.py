@@ -119,7 +119,10 @@ class StreamConfig:
     through distributed shared memory, each finishing ``1 / splits`` of the
     tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
-    units of a 128-row block, the wgmma cp.async ring only)."""
+    units of a 128-row block, the wgmma cp.async ring only) and
+    ``early_fill`` (the cp.async ring copies every stage's weights before the
+    grid-dependency wait, not only the ``lookahead`` units': the stages the
+    MMAs will hold are still free then)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -132,6 +135,7 @@ class StreamConfig:
     splits: int = 0
     cluster: bool = False
     unit_steps: int = 1
+    early_fill: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster and self.splits < 2:
@@ -143,7 +147,8 @@ class StreamConfig:
                    stages=self.stages, warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
-                   tma=self.tma, splits=min(self.splits, 1), unit_steps=self.unit_steps)  # range checks
+                   tma=self.tma, splits=min(self.splits, 1), unit_steps=self.unit_steps,
+                   early_fill=self.early_fill)  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -268,6 +273,7 @@ class StreamPlan:
     splits: int = 0          # > 0: grid = blocks x splits, each CTA a contiguous K part of one block
     cluster: bool = False    # a block's splits CTAs one cluster: reduce-scatter through DSMEM, no workspace
     unit_steps: int = 1      # K_STEP steps per unit (ring stage): 2 for 32 KB units of a 128-row block (wgmma ring)
+    early_fill: bool = False  # the cp.async ring copies every stage's weights before the grid-dependency wait
 
     def __post_init__(self) -> None:
         if isinstance(self.unit_steps, bool) or self.unit_steps not in range(1, MAX_UNIT_STEPS + 1):
@@ -277,6 +283,13 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps} (several K steps per ring stage) takes "
                              f"the wgmma ring filled by cp.async: wgmma = {self.wgmma} must be True and tma = "
                              f"{self.tma} must be False, or use unit_steps = 1")
+        if not isinstance(self.early_fill, bool):
+            raise ValueError(f"StreamPlan: early_fill = {self.early_fill!r} must be True or False")
+        if self.early_fill and (self.prefetch or self.tma):
+            what = (f"prefetch = {self.prefetch} (the register path) must be 0" if self.prefetch
+                    else "tma = True (the TMA ring) must be False")
+            raise ValueError(f"StreamPlan: early_fill = True fills the cp.async ring's stages before the grid wait: "
+                             f"{what}, or use early_fill = False")
         if self.hidden % self.unit_k or self.hidden < self.unit_k:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {self.unit_k} "
                              f"(unit_steps = {self.unit_steps} K steps of {K_STEP})"
@@ -556,6 +569,12 @@ class StreamPlan:
         wait). A wgmma unit's MMAs stay in flight past the next unit's barrier, so its stage is refilled
         one unit later."""
         return self.ring_stages - (2 if self.wgmma else 1)
+
+    @property
+    def prewait_units(self) -> int:
+        """Ring path: units whose weights are copied before the grid-dependency wait: ``lookahead``, or
+        with ``early_fill`` every stage (no MMA holds one yet)."""
+        return self.ring_stages if self.early_fill else self.lookahead
 
     @property
     def ring_stages(self) -> int:
