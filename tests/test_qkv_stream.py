@@ -136,7 +136,7 @@ def _cfg_id(c):
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
-        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("e" if c.early_fill else "")
+        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("" if c.prewait is None else f"e{c.prewait}")
 
 
 def _compiled(spec, cfg, max_m):
@@ -234,10 +234,12 @@ K2D = StreamConfig(wgmma=True, splits=2, cluster=True)               # the rule'
 K2DU = StreamConfig(wgmma=True, splits=2, cluster=True, unit_steps=2)   # ... with units of two K steps (32 KB)
 GU = StreamConfig(wgmma=True, unit_steps=2)                          # the persistent grid, units of two K steps
 GU6 = StreamConfig(stages=6, wgmma=True, unit_steps=2)               # ... 6 stages (tiles of 8 and 16 tokens)
-# every ring stage's weights copied before the grid wait (early_fill): the 8-token rule's ring, the cluster finish
-GUE = StreamConfig(wgmma=True, unit_steps=2, early_fill=True)
-K2DE = StreamConfig(wgmma=True, splits=2, cluster=True, early_fill=True)
-K4D6E = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True, early_fill=True)
+# other numbers of units copied before the grid wait (prewait; the lookahead's by default): 5 of the 6 stages or none
+# on the 8-token rule's ring, 1 / every stage on the cluster finish
+GUE = StreamConfig(wgmma=True, unit_steps=2, prewait=5)
+GU0 = StreamConfig(wgmma=True, unit_steps=2, prewait=0)
+K2DE = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True, prewait=1)
+K4D6E = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True, prewait=6)
 # the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring); as a
 # cluster: 16 / 32 / 64 tokens, head dims 64 / 96 (mma.sync) / 128, bias, an fp8 cache, partial and interleaved rotary
 SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1)),
@@ -268,17 +270,17 @@ def test_stream_unit_steps_compile_clean(name, max_m, cfg):
     assert ptx.count(mma) == 8 * p["max_segments"] and ptx.count("wgmma.commit_group") == p["max_segments"]
 
 
-# early_fill: the wgmma ring of two-step units (8 tokens), the cluster finish (16 / 64), the mma.sync ring, fp8
-EARLY_COMPILE = [("bf16_4096", 8, GUE), ("flint_bf16", 16, K2DE), ("glm4", 64, K2DE),
-                 ("d96_r24", 32, StreamConfig(stages=6, early_fill=True)), ("glm4_fp8", 8, GUE)]
+# prewait: the wgmma ring of two-step units (8 tokens), the cluster finish (16 / 64), the mma.sync ring, fp8
+EARLY_COMPILE = [("bf16_4096", 8, GUE), ("bf16_4096", 8, GU0), ("flint_bf16", 16, K2DE), ("glm4", 64, K2DE),
+                 ("d96_r24", 32, StreamConfig(stages=6, prewait=6)), ("glm4_fp8", 8, GUE)]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name, max_m, cfg", EARLY_COMPILE, ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in EARLY_COMPILE])
-def test_stream_early_fill_compiles_clean(name, max_m, cfg):
-    """Before the grid wait every stage's weight copies are issued (not only the lookahead's), in every thread."""
+def test_stream_prewait_compiles_clean(name, max_m, cfg):
+    """Before the grid wait the weight copies of ``prewait`` units are issued (not the lookahead's), in every thread."""
     p, ptx = _compiled(_spec(name), cfg, max_m)
-    assert p["prewait"] == p["stages"] > p["lookahead"]
+    assert p["prewait"] == cfg.prewait != p["lookahead"]
     per_unit = -(-p["block_rows"] * 8 // (32 * p["warps"])) * p["unit_steps"]   # 16-byte pieces per thread and unit
     assert ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.cg.shared.global") == p["prewait"] * per_unit
 
@@ -434,7 +436,7 @@ CLUSTER_CASES = [("flint_bf16", 64, K2DU), ("flint_bf16", 16, K2DU), ("flint_bf1
                  ("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
                  ("oss_bf16", 17, K2D8), ("glm4", 63, K2D6), ("phi4_mini", 33, K2D6), ("qwen_896", 31, K4D6),
                  ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True)),
-                 # early_fill; qwen_896's 4 ranks stream 3-4 units each, fewer than the 6 stages filled early
+                 # prewait; qwen_896's 4 ranks stream 3-4 units each, fewer than the 6 stages filled early
                  ("flint_bf16", 33, K2DE), ("flint_bf16", 16, K2DE), ("qwen_896", 31, K4D6E), ("glm4", 64, K2DE)]
 
 
@@ -463,7 +465,7 @@ def test_stream_finish_numerics(name, m, cfg):
 CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
            (StreamConfig(warp_tiles=2, stages=4), 64, 64), (GU6, 1, 8), (GU6, 8, 8), (GU, 40, 64),
-           (GUE, 1, 8), (GUE, 8, 8), (StreamConfig(stages=3, early_fill=True), 9, 64),
+           (GUE, 1, 8), (GUE, 8, 8), (GU0, 3, 8), (StreamConfig(stages=3, prewait=3), 9, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
            (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
@@ -513,7 +515,7 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU), ("glm4", 5, GUE)]
+       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU), ("glm4", 5, GU0)]
 
 
 @pytest.mark.gpu
@@ -644,7 +646,7 @@ def gpu_variants(target):
             todo += [(KDEF, spec, KDEF.variant(spec, config=WGMMA, max_m=tile, target=target, debug=d))
                      for tile in TOKEN_TILES for d in (False, True)]
     fin = {(n, c) for n, _, c in FINISH_CASES + CLUSTER_CASES} | set(KIND_SPECS)
-    fp8_fin = {(n, c) for n, _, c in FP8 if c.finish_tokens or c.cluster}
+    fp8_fin = {(n, c) for n, _, c in FP8 if c != StreamConfig()}   # (the default ring's: the names' loop below)
     for name, cfg in sorted(fin | fp8_fin, key=str):
         specs = (_spec(name),) + ((_spec(name).replace(kv_cache_dtype="fp8_e4m3"),) if (name, cfg) in fp8_fin else ())
         todo += [(KDEF, spec, KDEF.variant(spec, config=cfg, max_m=tile, target=target, debug=d))

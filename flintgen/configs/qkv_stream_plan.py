@@ -120,9 +120,9 @@ class StreamConfig:
     tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
     units of a 128-row block, the wgmma cp.async ring only) and
-    ``early_fill`` (the cp.async ring copies every stage's weights before the
-    grid-dependency wait, not only the ``lookahead`` units': the stages the
-    MMAs will hold are still free then)."""
+    ``prewait`` (the cp.async ring's units whose weights are copied before
+    the grid-dependency wait: None for the ``lookahead`` units', else 0 up
+    to every stage: the stages the MMAs will hold are still free then)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -135,7 +135,7 @@ class StreamConfig:
     splits: int = 0
     cluster: bool = False
     unit_steps: int = 1
-    early_fill: bool = False
+    prewait: int | None = None
 
     def __post_init__(self) -> None:
         if self.cluster and self.splits < 2:
@@ -148,7 +148,10 @@ class StreamConfig:
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
                    tma=self.tma, splits=min(self.splits, 1), unit_steps=self.unit_steps,
-                   early_fill=self.early_fill)  # range checks
+                   prewait=None if self.prewait is None else min(self.prewait, 2))  # range checks
+        if self.prewait is not None and self.prewait > MAX_STAGES:
+            raise ValueError(f"StreamConfig: prewait = {self.prewait} must be at most the ring's stages "
+                             f"(<= {MAX_STAGES})")
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -273,7 +276,7 @@ class StreamPlan:
     splits: int = 0          # > 0: grid = blocks x splits, each CTA a contiguous K part of one block
     cluster: bool = False    # a block's splits CTAs one cluster: reduce-scatter through DSMEM, no workspace
     unit_steps: int = 1      # K_STEP steps per unit (ring stage): 2 for 32 KB units of a 128-row block (wgmma ring)
-    early_fill: bool = False  # the cp.async ring copies every stage's weights before the grid-dependency wait
+    prewait: int | None = None   # cp.async ring: units whose weights are copied before the grid wait (None: lookahead)
 
     def __post_init__(self) -> None:
         if isinstance(self.unit_steps, bool) or self.unit_steps not in range(1, MAX_UNIT_STEPS + 1):
@@ -283,13 +286,15 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps} (several K steps per ring stage) takes "
                              f"the wgmma ring filled by cp.async: wgmma = {self.wgmma} must be True and tma = "
                              f"{self.tma} must be False, or use unit_steps = 1")
-        if not isinstance(self.early_fill, bool):
-            raise ValueError(f"StreamPlan: early_fill = {self.early_fill!r} must be True or False")
-        if self.early_fill and (self.prefetch or self.tma):
+        if self.prewait is not None and (isinstance(self.prewait, bool) or not isinstance(self.prewait, int)
+                                         or self.prewait < 0):
+            raise ValueError(f"StreamPlan: prewait = {self.prewait!r} must be None (the lookahead's units) or 0 .. "
+                             "the ring's stages (units whose weights are copied before the grid wait)")
+        if self.prewait is not None and (self.prefetch or self.tma):
             what = (f"prefetch = {self.prefetch} (the register path) must be 0" if self.prefetch
                     else "tma = True (the TMA ring) must be False")
-            raise ValueError(f"StreamPlan: early_fill = True fills the cp.async ring's stages before the grid wait: "
-                             f"{what}, or use early_fill = False")
+            raise ValueError(f"StreamPlan: prewait = {self.prewait} sets the cp.async ring's copies before the grid "
+                             f"wait: {what}, or use prewait = None")
         if self.hidden % self.unit_k or self.hidden < self.unit_k:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {self.unit_k} "
                              f"(unit_steps = {self.unit_steps} K steps of {K_STEP})"
@@ -359,6 +364,9 @@ class StreamPlan:
                              f"{self.head_dim}) need {self.smem_bytes_for(want)} bytes of shared memory, over the "
                              f"{SMEM_PER_CTA_MAX} a CTA may use: "
                              + (f"use at most {fit} stages" if fit >= 2 else "this shape does not fit the design"))
+        if self.prewait is not None and not self.prefetch and self.prewait > self.ring_stages:
+            raise ValueError(f"StreamPlan: prewait = {self.prewait} units copied before the grid wait need as many "
+                             f"ring stages, the plan has {self.ring_stages}: use prewait <= {self.ring_stages}")
         if self.wgmma and self.lookahead < 1:
             raise ValueError(f"StreamPlan: wgmma keeps a unit's MMAs in flight past the next unit's barrier: "
                              f"{self.ring_stages} stages must be at least 3")
@@ -573,8 +581,8 @@ class StreamPlan:
     @property
     def prewait_units(self) -> int:
         """Ring path: units whose weights are copied before the grid-dependency wait: ``lookahead``, or
-        with ``early_fill`` every stage (no MMA holds one yet)."""
-        return self.ring_stages if self.early_fill else self.lookahead
+        or ``prewait`` of them (up to every stage: no MMA holds one yet)."""
+        return self.lookahead if self.prewait is None else self.prewait
 
     @property
     def ring_stages(self) -> int:

@@ -85,7 +85,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
                       l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), splits=p.get("splits", 0),
                       cluster=p.get("dsmem_reduce", False), unit_steps=p.get("unit_steps", 1),
-                      early_fill=p.get("early_fill", False))
+                      prewait=p.get("prewait"))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -100,7 +100,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
                           ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1),
-                          ("early_fill", False)):
+                          ("prewait", None)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs)
