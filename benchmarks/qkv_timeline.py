@@ -49,6 +49,7 @@ from flintgen.kernels import get_def, qkv_stream
 from flintgen.kernels.qkv import QKVDef
 
 STAMPS = 8        # u64 per CTA: gt entry, clk entry, clk waited, clk streamed, clk done, gt exit, smid, unused
+TAILS: list[str] = []   # run_row's tail lines (printed after the table)
 STAMP_CTAS = 1024  # rows of a stamp buffer (more than any grid here: RMSNorm M, cluster 4 x heads, stream 132)
 CALLS = 20
 KDEF = QKVDef()
@@ -242,9 +243,11 @@ def clock_rate(qkv_bufs) -> float:
     return float((span[keep] / ticks[keep]).median())
 
 
-def analyse(qkv_bufs, rms_bufs=None, sms=None):
+def analyse(qkv_bufs, rms_bufs=None, sms=None, lens=None):
     """Per call after the first (µs after the previous call's last QKV exit): the RMSNorm's first entry, median
-    wait and last exit, the QKV's entries, waits, streamed / done points and exits, CTAs per SM."""
+    wait and last exit, the QKV's entries, waits, streamed / done points and exits, CTAs per SM; the tail (the
+    last CTA's streamed point, the longest finish phase, CTAs finishing for > 0.2 us) and, given ``lens`` (units
+    of each CTA's range), the median stream phase of the CTAs of each range length."""
     import torch
 
     rate = clock_rate(qkv_bufs)
@@ -262,6 +265,13 @@ def analyse(qkv_bufs, rms_bufs=None, sms=None):
                  q_exit=(us(c["exit"].median()), us(c["exit"].max())),
                  q_stream_phase=float((c["streamed"] - c["waited"]).median()) / 1e3,
                  q_finish_phase=float((c["done"] - c["streamed"]).median()) / 1e3)
+        fin = c["done"] - c["streamed"]
+        d["tail"] = (us(c["streamed"].max()), float(fin.max()) / 1e3, int((fin > 200).sum()))
+        if lens is not None and len(lens) == len(c["streamed"]):   # stream phase by range length (units)
+            phase = c["streamed"] - c["waited"]
+            for n in sorted(set(lens)):
+                pick = torch.tensor([x == n for x in lens])
+                d[f"phase_{n}"] = float(phase[pick].median()) / 1e3
         per_sm = torch.bincount(c["smid"], minlength=sms)
         d["ctas_per_sm"] = (int(per_sm.min()), int(per_sm.max()))
         if r:
@@ -342,11 +352,16 @@ def run_row(label, spec, m, cfg, weights, target):
         if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
             raise SystemExit(f"qkv timeline: {label}: the stamped step's {name} differs from the op's")
     lines = []
+    tails = TAILS
     for chain, calls, rb, us in (("step", step_call, r_bufs, op_us[0]), ("GEMV", qkv_call, None, op_us[1])):
         for b in q_bufs + r_bufs:
             b.zero_()
         stamped = replay_calls(calls, CALLS)
-        s = _summary(analyse(q_bufs, rb))
+        lens = None
+        if dict(v.params).get("design") == qkv_stream.DESIGN:
+            plan = qkv_stream.plan_of(dict(v.params))
+            lens = [plan.lo(c + 1) - plan.lo(c) for c in range(plan.grid)]
+        s = _summary(analyse(q_bufs, rb, lens=lens))
         r = " / ".join(f"{x:+.2f}" for x in s["r"]) if rb else "-"
         lines.append(f"| {label} | {chain} | {us:.2f} | {stamped:.2f} | {r} | "
                      + " / ".join(f"{x:+.2f}" for x in s["q_entry"]) + " | "
@@ -357,6 +372,11 @@ def run_row(label, spec, m, cfg, weights, target):
                      + f"{s['q_stream_phase']:.2f} | {s['q_finish_phase']:.2f} | "
                      + f"{s['ctas_per_sm'][0]}-{s['ctas_per_sm'][1]} |")
         print(lines[-1], flush=True)
+        phases = ", ".join(f"{k[6:]} units {x:.2f}" for k, x in s.items() if k.startswith("phase_"))
+        tails.append(f"* {label}, {chain}: last CTA streamed at {s['tail'][0]:+.2f} us, longest finish phase "
+                     f"{s['tail'][1]:.2f} us ({s['tail'][2]:.0f} CTAs finish for > 0.2 us)"
+                     + (f"; median stream phase by range length: {phases}" if phases else ""))
+        print(tails[-1], flush=True)
     return lines
 
 
@@ -383,7 +403,8 @@ def main():
     text = ("# qkv_timeline\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\n"
             + f"{when} · {info['device']} ({info['sms']} SMs) · torch {info['torch']} · commit {commit()}\n\n"
             + "Times in µs after the previous call's last QKV exit; medians over 19 calls.\n\n"
-            + HEAD + "\n|" + "---|" * (HEAD.count("|") - 1) + "\n" + "\n".join(lines) + "\n")
+            + HEAD + "\n|" + "---|" * (HEAD.count("|") - 1) + "\n" + "\n".join(lines) + "\n"
+            + ("\nThe tails (medians over the calls):\n\n" + "\n".join(TAILS) + "\n" if TAILS else ""))
     write_report("qkv_timeline", text)
 
 

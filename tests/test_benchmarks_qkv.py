@@ -149,6 +149,10 @@ def test_timeline_analyse_places_phases():
     assert res["q_finish_phase"] == pytest.approx(1.0)
     assert res["ctas_per_sm"] == (0, 2)
     assert res["q_waited_after_r"] == pytest.approx((14_000 - 13_600) / 1e3)   # median wait 14_000 (lower)
+    # the tail: the last streamed point (12_500 + 8000 - 12_000), the longest finish phase (1000 ns), CTAs over 200
+    assert res["tail"] == pytest.approx((8.5, 1.0, 2))
+    (res,) = tl.analyse([q0, q1], [r0, r1], sms=4, lens=[12, 11])   # stream phases 6000 / 6000 ns by range length
+    assert (res["phase_11"], res["phase_12"]) == pytest.approx((6.0, 6.0))
 
 
 def test_write_report_goes_to_out_or_fallback(tmp_path, monkeypatch, capsys):
