@@ -55,7 +55,6 @@ from benchmarks.harness import Row, prebuild_into, read_bandwidth, time_graph, w
 from flintgen import quant
 from flintgen.configs.qkv_config import QKVConfig, token_tile, token_tiles
 from flintgen.kernels import qkv_stream
-from flintgen.kernels.base import Target
 from flintgen.kernels.qkv import QKVDef, QKVOp
 from flintgen.runtime import load_variant
 
@@ -231,20 +230,15 @@ class ProductionVariantDef(QKVDef):
     range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``; the TMA
     ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one)."""
 
-    def __init__(self, l2: int = 0, tma: bool = False, prewait: int | None = None):
+    def __init__(self, l2: int = 0, tma: bool = False):
         super().__init__()
-        self.l2, self.tma, self.prewait = l2, tma, prewait
+        self.l2, self.tma = l2, tma
 
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
         if isinstance(cfg, qkv_stream.StreamConfig):
             if self.tma and cfg.wgmma:   # the TMA ring's units are one K step
                 return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1)
-            if self.prewait is not None and not cfg.prefetch:   # E<n>: n units before the wait (E: every stage)
-                t = target or Target("sm_90a", 132)
-                plan = qkv_stream.plan_of(dict(qkv_stream.variant(spec, cfg, t, max_m, False).params))
-                return replace(cfg, l2_prefetch=self.l2,
-                               prewait=plan.ring_stages if self.prewait < 0 else min(self.prewait, plan.ring_stages))
             return replace(cfg, l2_prefetch=self.l2)
         return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0)   # the cluster design: L2 or the op's own
 
@@ -254,10 +248,9 @@ def stream_configs():
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks, d: those CTAs
-    one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage, e: units
-    whose weights are copied before the grid wait) and the op's own configs with L2 prefetch (L: whole ranges / rows,
-    L8: 8 units of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8) or another number of
-    units copied before the grid wait on its cp.async rings (E2: 2, E: every stage; ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A
+    one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage) and the op's
+    own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on
+    its wgmma tiles (T, TL, TL8; ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A
     config a spec cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why
     (``usable``)."""
     import re
@@ -267,30 +260,25 @@ def stream_configs():
         out.append(("stream", qkv_stream.StreamConfig(), KDEF))
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
-            prod = re.fullmatch(r"(T)?(?:E(\d*))?(?:L(\d*))?", c)
-            if c and prod:   # T: TMA weights, E<n>: n units' weights before the grid wait (E: every stage),
-                # L: L2 prefetch (all of a range; L8: 8 units)
-                tma, early, l2 = prod.groups()
+            prod = re.fullmatch(r"(T)?(?:L(\d*))?", c)
+            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units)
+                tma, l2 = prod.groups()
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
-                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,
-                                                                          prewait=None if early is None
-                                                                          else int(early or -1))))
+                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?"
-                                 r"(?:k(\d+))?(d)?(?:u(\d+))?(?:e(\d+))?", c)
+                                 r"(?:k(\d+))?(d)?(?:u(\d+))?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
-                                 "f<tokens>l<units>k<splits>[d]u<steps>e<units> (in that order, each part optional), T, E, "
-                                 "E<units>, L, "
-                                 "L<units>, TL, TL<units>")
-            w, st, p, cs, g, tma, f, l2, k, dsmem, us, early = parts.groups()
+                                 "f<tokens>l<units>k<splits>[d]u<steps> (in that order, each part optional), T, L, L<units>, TL, "
+                                 "TL<units>")
+            w, st, p, cs, g, tma, f, l2, k, dsmem, us = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
                                                                 wgmma=g is not None, finish_tokens=int(f or 0),
                                                                 l2_prefetch=int(l2 or 0), tma=tma is not None,
                                                                 splits=int(k or 0), cluster=dsmem is not None,
-                                                                unit_steps=int(us or 1),
-                                                                prewait=None if early is None else int(early)),
+                                                                unit_steps=int(us or 1)),
                           KDEF))
     return out
 

@@ -161,9 +161,6 @@ def rows():
         # pool, since removed: qkv_stream_pool.md)
         if spec.hidden_size >= 4096:
             out += [(f"{spec.name} M={m} ring s8 f8", spec, m, S(stages=8, wgmma=True, finish_tokens=8)) for m in (1, 8)]
-            # the 8-token rule's ring with 1 or 6 units' weights copied before the grid wait (prewait; the rule 4)
-            out += [(f"{spec.name} M={m} ring u2 prewait {w}", spec, m, S(wgmma=True, unit_steps=2, prewait=w))
-                    for m in (1, 8) for w in (1, 6)]
         # issue 17: the step writing an e4m3 cache (0.04-0.26 us slower than the bf16 write, qkv_fp8_ablation.md)
         fp8 = spec.replace(kv_cache_dtype="fp8_e4m3")
         out += [(f"{spec.name} M={m} fp8 cache", fp8, m, None) for m in (1, 8)]

@@ -10,7 +10,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import qkv as bq  # noqa: E402  (imports on a machine without a GPU)
 from flintgen.configs.qkv_config import QKVConfig, token_tiles  # noqa: E402
-from flintgen.kernels import qkv_stream  # noqa: E402
 from flintgen.kernels.base import Target  # noqa: E402
 from flintgen.kernels.qkv_stream import MAX_L2_PREFETCH, StreamConfig  # noqa: E402
 
@@ -24,31 +23,14 @@ def _configs(monkeypatch, labels: str):
 
 
 def test_labels_parse(monkeypatch):
-    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, "s6g,s4c2gtl8,s6gf32k2,s8gk2d,gu2e0,L,L8,T,TL16,E,E2")}
+    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, "s6g,s4c2gtl8,s6gf32k2,s8gk2d,L,L8,T,TL16")}
     assert got["stream s6g"][0] == StreamConfig(stages=6, wgmma=True)
     assert got["stream s6gf32k2"][0] == StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=2)
     assert got["stream s8gk2d"][0] == StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)
     assert got["stream s4c2gtl8"][0] == StreamConfig(stages=4, ctas_per_sm=2, wgmma=True, tma=True, l2_prefetch=8)
-    assert got["stream gu2e0"][0] == StreamConfig(wgmma=True, unit_steps=2, prewait=0)
-    assert (got["production E"][1].prewait, got["production E2"][1].prewait) == (-1, 2)
     for label, l2, tma in (("L", MAX_L2_PREFETCH, False), ("L8", 8, False), ("T", 0, True), ("TL16", 16, True)):
         cfg, kd = got[f"production {label}"]
-        assert cfg is None and (kd.l2, kd.tma, kd.prewait) == (l2, tma, None), label
-
-
-def test_production_prewait_changes_only_rings():
-    """E<n> / E: the op's cp.async rings copy n units' / every stage's weights before the grid wait; the cluster
-    design unchanged."""
-    for spec, _ in bq.token_specs()[1:]:
-        for t in token_tiles(spec.max_tokens):
-            base = bq.KDEF.config(spec, t, SM90)
-            for w in (-1, 1):
-                cfg = bq.ProductionVariantDef(prewait=w).config(spec, t, SM90)
-                if isinstance(base, QKVConfig):
-                    assert cfg == base, (spec.name, t)
-                else:
-                    stages = qkv_stream.plan_of(dict(qkv_stream.variant(spec, base, SM90, t, False).params)).ring_stages
-                    assert cfg == StreamConfig(**{**base.__dict__, "prewait": stages if w < 0 else w}), (spec.name, t)
+        assert cfg is None and (kd.l2, kd.tma) == (l2, tma), label
 
 
 def test_production_variant_def_changes_one_thing():
@@ -77,7 +59,7 @@ def test_bad_label_is_refused(monkeypatch):
     # x9, and the labels of options since removed (h: tail heads, d: pool steps, n: fused norm)
     for label in ("x9", "s6gf8h10", "s8gf8d13", "s8gn"):
         with pytest.raises(ValueError,
-                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits>\[d\]u<steps>e<units> \("):
+                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits>\[d\]u<steps> \("):
             _configs(monkeypatch, label)
 
 

@@ -136,7 +136,7 @@ def _cfg_id(c):
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
-        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("" if c.prewait is None else f"e{c.prewait}")
+        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -234,12 +234,6 @@ K2D = StreamConfig(wgmma=True, splits=2, cluster=True)               # the rule'
 K2DU = StreamConfig(wgmma=True, splits=2, cluster=True, unit_steps=2)   # ... with units of two K steps (32 KB)
 GU = StreamConfig(wgmma=True, unit_steps=2)                          # the persistent grid, units of two K steps
 GU6 = StreamConfig(stages=6, wgmma=True, unit_steps=2)               # ... 6 stages (tiles of 8 and 16 tokens)
-# other numbers of units copied before the grid wait (prewait; the lookahead's by default): 5 of the 6 stages or none
-# on the 8-token rule's ring, 1 / every stage on the cluster finish
-GUE = StreamConfig(wgmma=True, unit_steps=2, prewait=5)
-GU0 = StreamConfig(wgmma=True, unit_steps=2, prewait=0)
-K2DE = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True, prewait=1)
-K4D6E = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True, prewait=6)
 # the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring); as a
 # cluster: 16 / 32 / 64 tokens, head dims 64 / 96 (mma.sync) / 128, bias, an fp8 cache, partial and interleaved rotary
 SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1)),
@@ -268,21 +262,6 @@ def test_stream_unit_steps_compile_clean(name, max_m, cfg):
     # one commit group per unit: its two sub-stages' 4 k16 steps each, per segment's unit loop
     mma = f"wgmma.mma_async.sync.aligned.m64n{max_m}k16.f32.bf16.bf16"
     assert ptx.count(mma) == 8 * p["max_segments"] and ptx.count("wgmma.commit_group") == p["max_segments"]
-
-
-# prewait: the wgmma ring of two-step units (8 tokens), the cluster finish (16 / 64), the mma.sync ring, fp8
-EARLY_COMPILE = [("bf16_4096", 8, GUE), ("bf16_4096", 8, GU0), ("flint_bf16", 16, K2DE), ("glm4", 64, K2DE),
-                 ("d96_r24", 32, StreamConfig(stages=6, prewait=6)), ("glm4_fp8", 8, GUE)]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("name, max_m, cfg", EARLY_COMPILE, ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in EARLY_COMPILE])
-def test_stream_prewait_compiles_clean(name, max_m, cfg):
-    """Before the grid wait the weight copies of ``prewait`` units are issued (not the lookahead's), in every thread."""
-    p, ptx = _compiled(_spec(name), cfg, max_m)
-    assert p["prewait"] == cfg.prewait != p["lookahead"]
-    per_unit = -(-p["block_rows"] * 8 // (32 * p["warps"])) * p["unit_steps"]   # 16-byte pieces per thread and unit
-    assert ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.cg.shared.global") == p["prewait"] * per_unit
 
 
 @pytest.mark.compile
@@ -435,9 +414,7 @@ CLUSTER_CASES = [("flint_bf16", 64, K2DU), ("flint_bf16", 16, K2DU), ("flint_bf1
                  ("bf16_4096", 63, K2DU),
                  ("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
                  ("oss_bf16", 17, K2D8), ("glm4", 63, K2D6), ("phi4_mini", 33, K2D6), ("qwen_896", 31, K4D6),
-                 ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True)),
-                 # prewait; qwen_896's 4 ranks stream 3-4 units each, fewer than the 6 stages filled early
-                 ("flint_bf16", 33, K2DE), ("flint_bf16", 16, K2DE), ("qwen_896", 31, K4D6E), ("glm4", 64, K2DE)]
+                 ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True))]
 
 
 @pytest.mark.gpu
@@ -465,7 +442,6 @@ def test_stream_finish_numerics(name, m, cfg):
 CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
            (StreamConfig(warp_tiles=2, stages=4), 64, 64), (GU6, 1, 8), (GU6, 8, 8), (GU, 40, 64),
-           (GUE, 1, 8), (GUE, 8, 8), (GU0, 3, 8), (StreamConfig(stages=3, prewait=3), 9, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
            (StreamConfig(prefetch=2, ctas_per_sm=2), 5, 8), (StreamConfig(prefetch=4), 9, 32),
            (StreamConfig(prefetch=4), 17, 32), (StreamConfig(prefetch=4), 32, 32), (StreamConfig(prefetch=8), 2, 8),
@@ -515,7 +491,7 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU), ("glm4", 5, GU0)]
+       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU)]
 
 
 @pytest.mark.gpu

@@ -344,29 +344,3 @@ def test_tma_ring_plan():
     assert t.lookahead == p.lookahead == 4
     with pytest.raises(ValueError, match=r"tma = True writes the 128-byte swizzled stages of the wgmma ring"):
         sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=64, stages=6, tma=True)
-
-
-def test_prewait_plan_and_refusals():
-    """prewait: the units whose weights are copied before the grid wait (the lookahead's by default)."""
-    for wgmma, extra in ((True, 2), (False, 1)):
-        base = sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=8, stages=6, wgmma=wgmma)
-        assert base.prewait_units == base.lookahead == 6 - extra
-        for w in (0, 1, 6):
-            p = sp.StreamPlan(**{**base.__dict__, "prewait": w})
-            assert p.prewait_units == w and p.lookahead == base.lookahead
-    assert StreamConfig(wgmma=True, unit_steps=2, prewait=0).prewait == 0
-    for bad in (-1, True, 1.0):
-        with pytest.raises(ValueError, match=rf"prewait = {bad!r} must be None \(the lookahead's units\) or 0 \.\. "
-                                             r"the ring's stages"):
-            sp.StreamPlan(hidden=2048, head_dim=128, heads=40, ctas=132, max_m=16, wgmma=True, prewait=bad)
-    with pytest.raises(ValueError, match=r"prewait = 7 units copied before the grid wait need as many ring stages, "
-                                         r"the plan has 6: use prewait <= 6"):
-        sp.StreamPlan(hidden=4096, head_dim=128, heads=48, ctas=132, max_m=8, stages=6, wgmma=True, prewait=7)
-    with pytest.raises(ValueError, match=r"prewait = 17 must be at most the ring's stages \(<= 16\)"):
-        StreamConfig(wgmma=True, prewait=17)
-    with pytest.raises(ValueError, match=r"prewait = 2 sets the cp.async ring's copies before the grid wait: "
-                                         r"tma = True \(the TMA ring\) must be False, or use prewait = None"):
-        StreamConfig(wgmma=True, tma=True, prewait=2)
-    with pytest.raises(ValueError, match=r"prewait = 0 sets .*: prefetch = 2 \(the register path\) must be "
-                                         r"0, or use prewait = None"):
-        StreamConfig(prefetch=2, prewait=0)

@@ -119,10 +119,7 @@ class StreamConfig:
     through distributed shared memory, each finishing ``1 / splits`` of the
     tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
-    units of a 128-row block, the wgmma cp.async ring only) and
-    ``prewait`` (the cp.async ring's units whose weights are copied before
-    the grid-dependency wait: None for the ``lookahead`` units', else 0 up
-    to every stage: the stages the MMAs will hold are still free then)."""
+    units of a 128-row block, the wgmma cp.async ring only)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -135,7 +132,6 @@ class StreamConfig:
     splits: int = 0
     cluster: bool = False
     unit_steps: int = 1
-    prewait: int | None = None
 
     def __post_init__(self) -> None:
         if self.cluster and self.splits < 2:
@@ -147,11 +143,7 @@ class StreamConfig:
                    stages=self.stages, warp_tiles=self.warp_tiles, prefetch=self.prefetch,
                    ctas_per_sm=self.ctas_per_sm, wgmma=self.wgmma,
                    finish_tokens=min(self.finish_tokens, 8), l2_prefetch=self.l2_prefetch,
-                   tma=self.tma, splits=min(self.splits, 1), unit_steps=self.unit_steps,
-                   prewait=None if self.prewait is None else min(self.prewait, 2))  # range checks
-        if self.prewait is not None and self.prewait > MAX_STAGES:
-            raise ValueError(f"StreamConfig: prewait = {self.prewait} must be at most the ring's stages "
-                             f"(<= {MAX_STAGES})")
+                   tma=self.tma, splits=min(self.splits, 1), unit_steps=self.unit_steps)  # range checks
         if self.finish_tokens % 8 or not 0 <= self.finish_tokens <= 64:
             raise ValueError(f"StreamConfig: finish_tokens = {self.finish_tokens} must be 0 (the completing CTA "
                              "finishes a head) or 8, 16, .., 64 (whole 8-token n-tiles)")
@@ -276,7 +268,6 @@ class StreamPlan:
     splits: int = 0          # > 0: grid = blocks x splits, each CTA a contiguous K part of one block
     cluster: bool = False    # a block's splits CTAs one cluster: reduce-scatter through DSMEM, no workspace
     unit_steps: int = 1      # K_STEP steps per unit (ring stage): 2 for 32 KB units of a 128-row block (wgmma ring)
-    prewait: int | None = None   # cp.async ring: units whose weights are copied before the grid wait (None: lookahead)
 
     def __post_init__(self) -> None:
         if isinstance(self.unit_steps, bool) or self.unit_steps not in range(1, MAX_UNIT_STEPS + 1):
@@ -286,15 +277,6 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: unit_steps = {self.unit_steps} (several K steps per ring stage) takes "
                              f"the wgmma ring filled by cp.async: wgmma = {self.wgmma} must be True and tma = "
                              f"{self.tma} must be False, or use unit_steps = 1")
-        if self.prewait is not None and (isinstance(self.prewait, bool) or not isinstance(self.prewait, int)
-                                         or self.prewait < 0):
-            raise ValueError(f"StreamPlan: prewait = {self.prewait!r} must be None (the lookahead's units) or 0 .. "
-                             "the ring's stages (units whose weights are copied before the grid wait)")
-        if self.prewait is not None and (self.prefetch or self.tma):
-            what = (f"prefetch = {self.prefetch} (the register path) must be 0" if self.prefetch
-                    else "tma = True (the TMA ring) must be False")
-            raise ValueError(f"StreamPlan: prewait = {self.prewait} sets the cp.async ring's copies before the grid "
-                             f"wait: {what}, or use prewait = None")
         if self.hidden % self.unit_k or self.hidden < self.unit_k:
             raise ValueError(f"StreamPlan: hidden = {self.hidden} must be a positive multiple of {self.unit_k} "
                              f"(unit_steps = {self.unit_steps} K steps of {K_STEP})"
@@ -364,9 +346,6 @@ class StreamPlan:
                              f"{self.head_dim}) need {self.smem_bytes_for(want)} bytes of shared memory, over the "
                              f"{SMEM_PER_CTA_MAX} a CTA may use: "
                              + (f"use at most {fit} stages" if fit >= 2 else "this shape does not fit the design"))
-        if self.prewait is not None and not self.prefetch and self.prewait > self.ring_stages:
-            raise ValueError(f"StreamPlan: prewait = {self.prewait} units copied before the grid wait need as many "
-                             f"ring stages, the plan has {self.ring_stages}: use prewait <= {self.ring_stages}")
         if self.wgmma and self.lookahead < 1:
             raise ValueError(f"StreamPlan: wgmma keeps a unit's MMAs in flight past the next unit's barrier: "
                              f"{self.ring_stages} stages must be at least 3")
@@ -577,12 +556,6 @@ class StreamPlan:
         wait). A wgmma unit's MMAs stay in flight past the next unit's barrier, so its stage is refilled
         one unit later."""
         return self.ring_stages - (2 if self.wgmma else 1)
-
-    @property
-    def prewait_units(self) -> int:
-        """Ring path: units whose weights are copied before the grid-dependency wait: ``lookahead``, or
-        or ``prewait`` of them (up to every stage: no MMA holds one yet)."""
-        return self.lookahead if self.prewait is None else self.prewait
 
     @property
     def ring_stages(self) -> int:

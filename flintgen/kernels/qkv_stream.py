@@ -84,8 +84,7 @@ def plan_of(p: Mapping[str, Any]) -> StreamPlan:
                       prefetch=p.get("prefetch", 0), ctas_per_sm=p.get("ctas_per_sm", 1),
                       wgmma=p.get("wgmma", False), finish_tokens=p.get("finish_tokens", 0),
                       l2_prefetch=p.get("l2_prefetch", 0), tma=p.get("tma", False), splits=p.get("splits", 0),
-                      cluster=p.get("dsmem_reduce", False), unit_steps=p.get("unit_steps", 1),
-                      prewait=p.get("prewait"))
+                      cluster=p.get("dsmem_reduce", False), unit_steps=p.get("unit_steps", 1))
 
 
 def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bool) -> Variant:
@@ -99,8 +98,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
-                          ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1),
-                          ("prewait", None)):
+                          ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs)
@@ -126,7 +124,6 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
         "lookahead": 0 if plan.prefetch else plan.lookahead,
-        "prewait": 0 if plan.prefetch else plan.prewait_units,
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
