@@ -45,6 +45,17 @@ def test_production_variant_def_changes_one_thing():
             assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True, "unit_steps": 1})
 
 
+def test_production_variant_def_keeps_the_ops_l2_prefetch():
+    """T alone (no L) leaves the cluster design as the op builds it: flint-bf16's 8-token tile keeps its L2
+    prefetch (21 MB of weights, QKVConfig.from_heuristic), the streaming tiles take TMA only."""
+    spec = bq.token_specs()[1][0]   # flint-bf16, max_tokens 64
+    kd = bq.ProductionVariantDef(tma=True)
+    base, cfg = bq.KDEF.config(spec, 8, SM90), kd.config(spec, 8, SM90)
+    assert isinstance(base, QKVConfig) and base.l2_prefetch and cfg == base
+    base, cfg = bq.KDEF.config(spec, 16, SM90), kd.config(spec, 16, SM90)
+    assert cfg == StreamConfig(**{**base.__dict__, "tma": True, "unit_steps": 1})
+
+
 def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
     """Every label of gpu_run.sh's stream-ab parses and gives a variant for every tile of both specs."""
     text = open(GPU_RUN).read()
