@@ -49,7 +49,6 @@ from flintgen.kernels import get_def, qkv_stream
 from flintgen.kernels.qkv import QKVDef
 
 STAMPS = 8        # u64 per CTA: gt entry, clk entry, clk waited, clk streamed, clk done, gt exit, smid, unused
-TAILS: list[str] = []   # run_row's tail lines (printed after the table)
 STAMP_CTAS = 1024  # rows of a stamp buffer (more than any grid here: RMSNorm M, cluster 4 x heads, stream 132)
 CALLS = 20
 KDEF = QKVDef()
@@ -256,16 +255,15 @@ def analyse(qkv_bufs, rms_bufs=None, sms=None, lens=None):
         t0 = float(q[i - 1]["exit"].max())
         us = lambda x: (float(x) - t0) / 1e3   # noqa: E731
         c = q[i]
+        phase, fin = c["streamed"] - c["waited"], c["done"] - c["streamed"]   # stream and finish phases, ns
         d = dict(q_entry=(us(c["entry"].min()), us(c["entry"].median()), us(c["entry"].max())),
                  q_waited=(us(c["waited"].median()), us(c["waited"].max())),
                  q_streamed=(us(c["streamed"].median()), us(_pct(c["streamed"].tolist(), 0.9))),
                  q_exit=(us(c["exit"].median()), us(c["exit"].max())),
-                 q_stream_phase=float((c["streamed"] - c["waited"]).median()) / 1e3,
-                 q_finish_phase=float((c["done"] - c["streamed"]).median()) / 1e3)
-        fin = c["done"] - c["streamed"]
+                 q_stream_phase=float(phase.median()) / 1e3,
+                 q_finish_phase=float(fin.median()) / 1e3)
         d["tail"] = (us(c["streamed"].max()), float(fin.max()) / 1e3, int((fin > 200).sum()))
         if lens is not None and len(lens) == len(c["streamed"]):   # stream phase by range length (units)
-            phase = c["streamed"] - c["waited"]
             for n in sorted(set(lens)):
                 pick = torch.tensor([x == n for x in lens])
                 d[f"phase_{n}"] = float(phase[pick].median()) / 1e3
@@ -297,7 +295,8 @@ def _with_stamps(args, slots, stamps):
 
 
 def run_row(label, spec, m, cfg, weights, target):
-    """The row's table lines (step chain, GEMV chain): the op's own timing, then the stamped binaries'."""
+    """The row's table lines (step chain, GEMV chain: the op's own timing, then the stamped binaries') and its
+    tail lines."""
     import torch
 
     from benchmarks.harness import replay_calls, time_graph
@@ -348,16 +347,15 @@ def run_row(label, spec, m, cfg, weights, target):
     for name, a, b in zip(("q", "xn", "residual_out", "cache"), got, ref):
         if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
             raise SystemExit(f"qkv timeline: {label}: the stamped step's {name} differs from the op's")
-    lines = []
-    tails = TAILS
+    lines, tails = [], []
+    lens = None       # units of each CTA's range (the streaming design)
+    if qkv_stream.is_stream(v):
+        plan = qkv_stream.plan_of(dict(v.params))
+        lens = [plan.lo(c + 1) - plan.lo(c) for c in range(plan.grid)]
     for chain, calls, rb, us in (("step", step_call, r_bufs, op_us[0]), ("GEMV", qkv_call, None, op_us[1])):
         for b in q_bufs + r_bufs:
             b.zero_()
         stamped = replay_calls(calls, CALLS)
-        lens = None
-        if dict(v.params).get("design") == qkv_stream.DESIGN:
-            plan = qkv_stream.plan_of(dict(v.params))
-            lens = [plan.lo(c + 1) - plan.lo(c) for c in range(plan.grid)]
         s = _summary(analyse(q_bufs, rb, lens=lens))
         r = " / ".join(f"{x:+.2f}" for x in s["r"]) if rb else "-"
         lines.append(f"| {label} | {chain} | {us:.2f} | {stamped:.2f} | {r} | "
@@ -374,7 +372,7 @@ def run_row(label, spec, m, cfg, weights, target):
                      f"{s['tail'][1]:.2f} us ({s['tail'][2]:.0f} CTAs finish for > 0.2 us)"
                      + (f"; median stream phase by range length: {phases}" if phases else ""))
         print(tails[-1], flush=True)
-    return lines
+    return lines, tails
 
 
 HEAD = ("| row | chain | op µs per call (graph median, unstamped) | stamped µs per call | RMSNorm first entry / "
@@ -390,18 +388,20 @@ def main():
     from benchmarks.qkv import copies_for, make_weights
 
     target = toolchain.resolve_target()
-    lines, weights = [], {}
+    lines, tails, weights = [], [], {}
     for label, spec, m, cfg in rows():
         if spec.name not in weights:
             weights = {spec.name: make_weights(spec, copies_for(spec))}   # one spec's copies at a time
-        lines += run_row(label, spec, m, cfg, weights[spec.name], target)
+        row_lines, row_tails = run_row(label, spec, m, cfg, weights[spec.name], target)
+        lines += row_lines
+        tails += row_tails
     info = device_info()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = ("# qkv_timeline\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\n"
             + f"{when} · {info['device']} ({info['sms']} SMs) · torch {info['torch']} · commit {commit()}\n\n"
             + "Times in µs after the previous call's last QKV exit; medians over 19 calls.\n\n"
             + HEAD + "\n|" + "---|" * (HEAD.count("|") - 1) + "\n" + "\n".join(lines) + "\n"
-            + ("\nThe tails (medians over the calls):\n\n" + "\n".join(TAILS) + "\n" if TAILS else ""))
+            + ("\nThe tails (medians over the calls):\n\n" + "\n".join(tails) + "\n" if tails else ""))
     write_report("qkv_timeline", text)
 
 
