@@ -116,8 +116,8 @@ class StreamConfig:
     ``splits`` CTAs per block, each a contiguous part of the block's K steps,
     ranges aligned to blocks; 0: the SM count x ``ctas_per_sm``, ranges across
     blocks) and ``cluster`` (those ``splits`` CTAs one cluster, reducing
-    through distributed shared memory, each finishing ``1 / splits`` of the
-    tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
+    through distributed shared memory, each finishing ``ceil(1 / splits)`` of
+    the tile's 8-token n-tiles, the last ranks fewer or none) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
     units of a 128-row block, the wgmma cp.async ring only)."""
 
@@ -153,9 +153,10 @@ class StreamConfig:
         return min(self.finish_tokens, max_m)
 
     def clusters_at(self, max_m: int) -> bool:
-        """Whether the token tile ``max_m`` takes ``cluster`` (each rank a whole 8-token n-tile or more;
-        a smaller tile finishes through the workspace)."""
-        return self.cluster and max_m >= 8 * self.splits
+        """Whether the token tile ``max_m`` takes ``cluster``: every tile (a rank finishes ceil(n-tiles /
+        splits) n-tiles, StreamPlan.slice_tokens; where the tile has fewer n-tiles than ranks, the last ranks
+        finish none)."""
+        return self.cluster
 
 
 def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
@@ -357,9 +358,6 @@ class StreamPlan:
         if self.blocks_per_head != 1:
             raise ValueError(f"StreamPlan: cluster = True finishes a head within its block's cluster: head_dim "
                              f"{self.head_dim} spans {self.blocks_per_head} blocks; use cluster = False")
-        if self.max_m % (8 * self.splits):
-            raise ValueError(f"StreamPlan: cluster = True gives each of the {self.splits} CTAs whole 8-token "
-                             f"n-tiles of the {self.max_m}-token tile: use splits dividing {self.max_m // 8}")
         if self.finish_tokens or self.prefetch:
             raise ValueError(f"StreamPlan: cluster = True finishes the tokens by cluster rank on the ring path: "
                              f"finish_tokens = {self.finish_tokens} and prefetch = {self.prefetch} must be 0")
@@ -471,6 +469,10 @@ class StreamPlan:
 
     @property
     def slice_tokens(self) -> int:
+        """Tokens of one finishing slice: ``cluster``, whole n-tiles, ``ceil(n-tiles / splits)`` a rank (the
+        last ranks' slices may hold fewer or none of the tile's tokens)."""
+        if self.cluster:
+            return 8 * -(-self.max_m // (8 * self.splits))
         return self.max_m // self.finish_slices
 
     @property

@@ -102,7 +102,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs)
-    if cfg.clusters_at(max_m):      # a tile of fewer n-tiles than ranks finishes through the workspace
+    if cfg.clusters_at(max_m):      # (every tile: ranks past the tile's n-tiles finish no tokens)
         p["dsmem_reduce"] = True
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
