@@ -249,7 +249,7 @@ def test_splits_align_ranges_to_blocks():
 
 def test_cluster_plan_and_refusals():
     """cluster: a block's splits CTAs reduce on chip: no workspace slots, a receive buffer of the other ranks'
-    partials of a rank's max_m / splits tokens in shared memory, each rank a slice of whole n-tiles."""
+    partials of a rank's slice in shared memory, each rank a slice of ceil(n-tiles / splits) whole n-tiles."""
     for d, m, k in ((128, 64, 2), (128, 16, 2), (64, 32, 4), (128, 64, 8)):
         p = sp.StreamPlan(hidden=2048, head_dim=d, heads=40, ctas=132, max_m=m, stages=4, wgmma=True, splits=k,
                           cluster=True)
