@@ -232,6 +232,8 @@ K2D8 = StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)    # the 16 / 
 K4D6 = StreamConfig(stages=6, wgmma=True, splits=4, cluster=True)
 K2D = StreamConfig(wgmma=True, splits=2, cluster=True)               # the rule's: the ring fills shared memory
 K2DU = StreamConfig(wgmma=True, splits=2, cluster=True, unit_steps=2)   # ... with units of two K steps (32 KB)
+K3D = StreamConfig(wgmma=True, splits=3, cluster=True)               # 3 ranks: slices of ceil(n-tiles / 3) n-tiles
+K3DU = StreamConfig(wgmma=True, splits=3, cluster=True, unit_steps=2)
 GU = StreamConfig(wgmma=True, unit_steps=2)                          # the persistent grid, units of two K steps
 GU6 = StreamConfig(stages=6, wgmma=True, unit_steps=2)               # ... 6 stages (tiles of 8 and 16 tokens)
 # the grid aligned to blocks: one CTA per block (wgmma, 64 tokens), two (8 stages, TMA), three (mma.sync ring); as a
@@ -241,7 +243,9 @@ SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1
                   ("flint_bf16", 16, StreamConfig(stages=6, splits=3)),
                   ("flint_bf16", 64, K2D6), ("flint_bf16", 16, K2D8), ("bf16_4096", 32, K2D), ("oss_bf16_fp8", 64, K2D6),
                   ("qwen_896", 32, K4D6), ("phi4_mini", 64, K2D6), ("glm4", 16, K2D8),
-                  ("d96_r24", 64, StreamConfig(stages=6, splits=2, cluster=True))]
+                  ("d96_r24", 64, StreamConfig(stages=6, splits=2, cluster=True)),
+                  # ranks past the tile's n-tiles (padded slices): 3 ranks at 16 / 64 tokens, 2 at the 8-token tile
+                  ("flint_bf16", 16, K3D), ("flint_bf16", 64, K3DU), ("bf16_4096", 8, K2DU), ("glm4_fp8", 32, K3D)]
 
 
 # units of two K steps (unit_steps = 2): the cluster finish at 16 / 64 tokens (head dims 64 / 128, an fp8 cache),
@@ -280,7 +284,8 @@ def test_stream_splits_compile_clean(name, max_m, cfg):
     counters = [i in ptx for i in COUNTER_PTX]      # the workspace finish's atomic and counter reset
     assert p["cluster"] == cfg.cluster and ((not any(counters)) if cfg.cluster else all(counters))
     if cfg.cluster:   # each rank sends the other ranks' slices, 16 bytes a store; no workspace partial or poll
-        assert p["recv_bytes"] == (cfg.splits - 1) * spec.head_dim * (max_m // cfg.splits) * 4
+        slice_tokens = 8 * -(-max_m // (8 * cfg.splits))   # whole n-tiles, the last ranks' padded past the tile
+        assert p["recv_bytes"] == (cfg.splits - 1) * spec.head_dim * slice_tokens * 4
         assert ptx.count("st.shared::cluster.v4.f32") == (cfg.splits - 1) * p["slice_values"] // 4
         assert all(i in ptx for i in CLUSTER_PTX) and "ld.acquire" not in ptx and "st.global.v2.f32" not in ptx
 
@@ -414,7 +419,12 @@ CLUSTER_CASES = [("flint_bf16", 64, K2DU), ("flint_bf16", 16, K2DU), ("flint_bf1
                  ("bf16_4096", 63, K2DU),
                  ("flint_bf16", 64, K2D6), ("flint_bf16", 40, K2D6), ("flint_bf16", 16, K2D8), ("oss_bf16", 64, K2D6),
                  ("oss_bf16", 17, K2D8), ("glm4", 63, K2D6), ("phi4_mini", 33, K2D6), ("qwen_896", 31, K4D6),
-                 ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True))]
+                 ("qwen3_1024", 64, K2D6), ("d96_r24", 57, StreamConfig(stages=6, splits=2, cluster=True)),
+                 # padded slices: 3 ranks of 24 / 16 / 8 tokens (the last with none at 16, 8 of 33 at 64), the
+                 # 8-token tile on 2 ranks (rank 0 finishes every token), partial rotary with 3 ranks
+                 ("flint_bf16", 64, K3D), ("flint_bf16", 33, K3DU), ("flint_bf16", 16, K3D), ("flint_bf16", 9, K3D),
+                 ("flint_bf16", 32, K3DU), ("bf16_4096", 8, K2DU), ("flint_bf16", 1, K2D), ("phi4_mini", 5, K2DU),
+                 ("glm4", 20, K3D)]
 
 
 @pytest.mark.gpu
@@ -491,7 +501,7 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU)]
+       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU), ("glm4", 41, K3D), ("glm4", 7, K2DU)]
 
 
 @pytest.mark.gpu

@@ -249,7 +249,7 @@ def test_splits_align_ranges_to_blocks():
 
 def test_cluster_plan_and_refusals():
     """cluster: a block's splits CTAs reduce on chip: no workspace slots, a receive buffer of the other ranks'
-    partials of a rank's max_m / splits tokens in shared memory, each rank a slice of whole n-tiles."""
+    partials of a rank's slice in shared memory, each rank a slice of ceil(n-tiles / splits) whole n-tiles."""
     for d, m, k in ((128, 64, 2), (128, 16, 2), (64, 32, 4), (128, 64, 8)):
         p = sp.StreamPlan(hidden=2048, head_dim=d, heads=40, ctas=132, max_m=m, stages=4, wgmma=True, splits=k,
                           cluster=True)
@@ -266,15 +266,16 @@ def test_cluster_plan_and_refusals():
         sp.StreamPlan(**bad, splits=9, cluster=True)
     with pytest.raises(ValueError, match=r"head_dim 256 spans 2 blocks; use cluster = False"):
         sp.StreamPlan(**{**bad, "head_dim": 256, "heads": 20}, splits=2, cluster=True)
-    with pytest.raises(ValueError, match=r"each of the 4 CTAs whole 8-token n-tiles of the 16-token tile: use "
-                                         r"splits dividing 2"):
-        sp.StreamPlan(**{**bad, "max_m": 16}, splits=4, cluster=True)
     with pytest.raises(ValueError, match=r"finish_tokens = 32 and prefetch = 0 must be 0"):
         sp.StreamPlan(**bad, splits=2, cluster=True, finish_tokens=32)
-    # a tile of fewer n-tiles than ranks finishes through the workspace (the config's other tiles keep cluster)
+    # every tile clusters; a rank's slice is ceil(n-tiles / splits) n-tiles, the last ranks' fewer or none
     cfg = StreamConfig(stages=6, wgmma=True, splits=2, cluster=True)
-    assert [m for m in (8, 16, 32, 64) if cfg.clusters_at(m)] == [16, 32, 64]
+    assert [m for m in (8, 16, 32, 64) if cfg.clusters_at(m)] == [8, 16, 32, 64]
     assert not StreamConfig(splits=2).clusters_at(64)
+    for m, k, tokens in ((8, 2, 8), (16, 3, 8), (32, 3, 16), (64, 3, 24), (16, 4, 8), (8, 8, 8)):
+        p = sp.StreamPlan(**{**bad, "max_m": m}, splits=k, cluster=True)
+        assert p.slice_tokens == tokens and p.recv_bytes == (k - 1) * 128 * tokens * 4, (m, k)
+        assert p.grid == 40 * k and p.lo(1) == 32 // k     # a block's K steps split over its k ranks
 
 
 def test_unit_steps_plan_and_refusals():

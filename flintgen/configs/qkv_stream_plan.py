@@ -23,10 +23,12 @@ that completes a head sums the head's partials in CTA order (= K order:
 deterministic) and runs the per-head epilogue.
 
 With ``cluster`` (``splits`` >= 2, a block per head) a block's ``splits``
-CTAs are one thread-block cluster and keep their partials on chip: each
-finishes ``max_m / splits`` tokens of the head, summing the CTAs' partials of
-those tokens in rank (= K) order after a reduce-scatter through distributed
-shared memory (flintgen.device.cluster_reduce); no workspace or counter.
+CTAs are one thread-block cluster and keep their partials on chip: rank r
+finishes the head's tokens of slice r (``slice_tokens``: ``ceil(max_m / 8 /
+splits)`` whole 8-token n-tiles, so the last ranks' slices may reach past the
+tile and hold fewer tokens or none), summing the CTAs' partials of those
+tokens in rank (= K) order after a reduce-scatter through distributed shared
+memory (flintgen.device.cluster_reduce); no workspace or counter.
 
 With ``finish_tokens`` > 0 the finish is spread instead: a head's tokens are
 cut into ``finish_slices`` slices of ``finish_tokens`` tokens (whole 8-token
@@ -116,8 +118,8 @@ class StreamConfig:
     ``splits`` CTAs per block, each a contiguous part of the block's K steps,
     ranges aligned to blocks; 0: the SM count x ``ctas_per_sm``, ranges across
     blocks) and ``cluster`` (those ``splits`` CTAs one cluster, reducing
-    through distributed shared memory, each finishing ``1 / splits`` of the
-    tokens, at tiles of at least 8 ``splits`` tokens: ``clusters_at``) and
+    through distributed shared memory, each finishing ``ceil(n-tiles /
+    splits)`` of the tile's 8-token n-tiles, the last ranks fewer or none) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
     units of a 128-row block, the wgmma cp.async ring only)."""
 
@@ -153,9 +155,10 @@ class StreamConfig:
         return min(self.finish_tokens, max_m)
 
     def clusters_at(self, max_m: int) -> bool:
-        """Whether the token tile ``max_m`` takes ``cluster`` (each rank a whole 8-token n-tile or more;
-        a smaller tile finishes through the workspace)."""
-        return self.cluster and max_m >= 8 * self.splits
+        """Whether the token tile ``max_m`` takes ``cluster``: every tile (a rank finishes ceil(n-tiles /
+        splits) n-tiles, StreamPlan.slice_tokens; where the tile has fewer n-tiles than ranks, the last ranks
+        finish none)."""
+        return self.cluster
 
 
 def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
@@ -357,9 +360,6 @@ class StreamPlan:
         if self.blocks_per_head != 1:
             raise ValueError(f"StreamPlan: cluster = True finishes a head within its block's cluster: head_dim "
                              f"{self.head_dim} spans {self.blocks_per_head} blocks; use cluster = False")
-        if self.max_m % (8 * self.splits):
-            raise ValueError(f"StreamPlan: cluster = True gives each of the {self.splits} CTAs whole 8-token "
-                             f"n-tiles of the {self.max_m}-token tile: use splits dividing {self.max_m // 8}")
         if self.finish_tokens or self.prefetch:
             raise ValueError(f"StreamPlan: cluster = True finishes the tokens by cluster rank on the ring path: "
                              f"finish_tokens = {self.finish_tokens} and prefetch = {self.prefetch} must be 0")
@@ -471,6 +471,10 @@ class StreamPlan:
 
     @property
     def slice_tokens(self) -> int:
+        """Tokens of one finishing slice: ``cluster``, whole n-tiles, ``ceil(n-tiles / splits)`` a rank (the
+        last ranks' slices may hold fewer or none of the tile's tokens)."""
+        if self.cluster:
+            return 8 * -(-self.max_m // (8 * self.splits))
         return self.max_m // self.finish_slices
 
     @property
@@ -524,7 +528,7 @@ class StreamPlan:
     @property
     def recv_bytes(self) -> int:
         """``cluster``: the receive buffer of the other ranks' partials of this CTA's tokens
-        (flintgen.device.cluster_reduce: ``splits - 1`` parts of ``block_rows x max_m / splits`` fp32)."""
+        (flintgen.device.cluster_reduce: ``splits - 1`` parts of ``block_rows x slice_tokens`` fp32)."""
         return (self.splits - 1) * self.block_rows * self.slice_tokens * 4 if self.cluster else 0
 
     def smem_bytes_for(self, stages: int) -> int:

@@ -102,7 +102,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs)
-    if cfg.clusters_at(max_m):      # a tile of fewer n-tiles than ranks finishes through the workspace
+    if cfg.clusters_at(max_m):      # (every tile: ranks past the tile's n-tiles finish no tokens)
         p["dsmem_reduce"] = True
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
@@ -129,7 +129,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
         "tma": plan.tma, "splits": plan.splits, "cluster": plan.cluster, "slice_values": plan.slice_values,
-        "recv_bytes": plan.recv_bytes, "unit_steps": plan.unit_steps,
+        "recv_bytes": plan.recv_bytes, "unit_steps": plan.unit_steps, "slice_tokens": plan.slice_tokens,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
         "interleaved": lanes.interleaved, "pair_e": lanes.pair_e, "pair_lanes": lanes.pair_lanes,
