@@ -209,8 +209,12 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       21.56 / 22.58 / 25.93, but its GEMV alone is slower at 16 / 32 tokens,
       20.49 / 21.98 -> 21.34 / 22.35, and faster at 64, 24.91 -> 24.57; the
       step is what a decoder runs). Three CTAs per block were slower at 32
-      and 64 tokens; 8-token tiles slower with two (hidden 4096: step 20.94
-      -> 21.32); grids below 0.6 of the SMs not measured.
+      and 64 tokens, also as one cluster (qkv_stream_cluster.md third A/B,
+      H100: +1.7-3.7 us in the step at hidden 2048, 120 CTAs); 8-token
+      tiles slower with two (hidden 4096: step 20.94 -> 21.32), and with
+      the cluster finish only faster at M = 8 (fourth A/B, H100: steps at
+      M = 1 / 2 / 4 / 8 +0.16 / +0.22 / -0.09 / -0.62 us); grids below 0.6
+      of the SMs not measured.
     * Where a head is one block (head_dim 64 or 128) those two CTAs are one
       cluster reducing through distributed shared memory (``cluster``): each
       finishes half the tokens, no workspace round trip or counter wait
