@@ -250,7 +250,9 @@ def stream_configs():
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks, d: those CTAs
     one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage) and the op's
     own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on
-    its wgmma tiles (T, TL, TL8; ProductionVariantDef); ``--no-fill`` leaves out the ring filling shared memory. A
+    its wgmma tiles (T, TL, TL8; ProductionVariantDef), and P: the op's own binaries again, through an op of their
+    own, timed where P stands in the list (a control: what two timings of identical binaries differ by in the same process, up to 0.7 us
+    in the step once, qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring filling shared memory. A
     config a spec cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why
     (``usable``)."""
     import re
@@ -260,6 +262,9 @@ def stream_configs():
         out.append(("stream", qkv_stream.StreamConfig(), KDEF))
     if "--configs" in sys.argv:
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
+            if c == "P":
+                out.append(("production control", None, KDEF))
+                continue
             prod = re.fullmatch(r"(T)?(?:L(\d*))?", c)
             if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units)
                 tma, l2 = prod.groups()
@@ -271,7 +276,7 @@ def stream_configs():
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
                                  "f<tokens>l<units>k<splits>[d]u<steps> (in that order, each part optional), T, L, L<units>, TL, "
-                                 "TL<units>")
+                                 "TL<units>, P")
             w, st, p, cs, g, tma, f, l2, k, dsmem, us = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),

@@ -33,6 +33,14 @@ def test_labels_parse(monkeypatch):
         assert cfg is None and (kd.l2, kd.tma) == (l2, tma), label
 
 
+def test_control_label_is_production_again(monkeypatch):
+    """P: the op's own configuration through an op of its own, labelled apart from production (a control)."""
+    got = _configs(monkeypatch, "s6g,P")
+    labels = [label for label, _, _ in got]
+    assert labels == ["production", "stream s6g", "production control"]
+    assert got[-1][1] is None and got[-1][2] is bq.KDEF
+
+
 def test_production_variant_def_changes_one_thing():
     """The op's own configuration per tile, with L2 prefetch and / or TMA on its streaming tiles."""
     spec = bq.token_specs()[2][0]   # hidden 4096, max_tokens 64
