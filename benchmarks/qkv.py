@@ -250,9 +250,10 @@ def stream_configs():
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks, d: those CTAs
     one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage) and the op's
     own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on
-    its wgmma tiles (T, TL, TL8; ProductionVariantDef), and P: the op's own binaries again, through an op of their
-    own, timed where P stands in the list (a control: what two timings of identical binaries differ by in the same process, up to 0.7 us
-    in the step once, qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring filling shared memory. A
+    its wgmma tiles (T, TL, TL8; ProductionVariantDef), and P: the op's own binaries again through an op of
+    their own, timed where P stands in the list (a control: what two timings of identical binaries differ by in
+    one process, 0.7 us in the step once, qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring
+    filling shared memory. A
     config a spec cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why
     (``usable``)."""
     import re
