@@ -81,6 +81,12 @@ def test_variant_and_template():
     flint64 = _spec("flint_bf16").replace(max_tokens=64)
     assert [dict(v.params).get("splits", 0) for v in KDEF.variants(flint64, T132)] == [0, 2, 2, 2]
     assert [dict(v.params).get("dsmem_reduce", False) for v in KDEF.variants(flint64, T132)] == [False] + [True] * 3
+    # StreamConfig.cluster takes every tile (the 8-token tile too: rank 0 finishes every token)
+    k2d = StreamConfig(wgmma=True, splits=2, cluster=True)
+    assert all(dict(KDEF.variant(flint64, config=k2d, max_m=m, target=T132).params).get("dsmem_reduce")
+               for m in (8, 16, 32, 64))
+    assert "dsmem_reduce" not in dict(KDEF.variant(flint64, config=StreamConfig(wgmma=True, splits=2), max_m=8,
+                                                   target=T132).params)
     assert KDEF.config(flint64, 32) == StreamConfig(stages=8, wgmma=True)   # no target: the rule left out
     # the 8-token tile streams for whole-warpgroup blocks only: from hidden 3072 where it is a multiple of 128
     # (units of two K steps, the ring filling shared memory), from 3584 otherwise (wgmma, 8 stages)

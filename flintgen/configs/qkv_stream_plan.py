@@ -154,12 +154,6 @@ class StreamConfig:
         """Tokens per finishing slice at the token tile ``max_m``."""
         return min(self.finish_tokens, max_m)
 
-    def clusters_at(self, max_m: int) -> bool:
-        """Whether the token tile ``max_m`` takes ``cluster``: every tile (a rank finishes ceil(n-tiles /
-        splits) n-tiles, StreamPlan.slice_tokens; where the tile has fewer n-tiles than ranks, the last ranks
-        finish none)."""
-        return self.cluster
-
 
 def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
                   heads: int = 0, ctas: int = 0) -> "StreamConfig | None":

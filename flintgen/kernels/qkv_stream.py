@@ -101,8 +101,9 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
                           ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
-    # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs)
-    if cfg.clusters_at(max_m):      # (every tile: ranks past the tile's n-tiles finish no tokens)
+    # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs), at every tile:
+    # ranks past the tile's n-tiles finish no tokens (StreamPlan.slice_tokens)
+    if cfg.cluster:
         p["dsmem_reduce"] = True
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
