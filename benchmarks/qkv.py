@@ -253,9 +253,8 @@ def stream_configs():
     its wgmma tiles (T, TL, TL8; ProductionVariantDef), and P: the op's own binaries again through an op of
     their own, timed where P stands in the list (a control: what two timings of identical binaries differ by in
     one process, 0.7 us in the step once, qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring
-    filling shared memory. A
-    config a spec cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why
-    (``usable``)."""
+    filling shared memory. A config a spec cannot take (its plan refuses the shape) is skipped on that spec, with
+    a line saying why (``usable``)."""
     import re
 
     out = [("production", None, KDEF)]
