@@ -230,17 +230,18 @@ class ProductionVariantDef(QKVDef):
     range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``; the TMA
     ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one)."""
 
-    def __init__(self, l2: int = 0, tma: bool = False):
+    def __init__(self, l2: int = 0, tma: bool = False, evict: bool = False):
         super().__init__()
-        self.l2, self.tma = l2, tma
+        self.l2, self.tma, self.evict = l2, tma, evict
 
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
         if isinstance(cfg, qkv_stream.StreamConfig):
             if self.tma and cfg.wgmma:   # the TMA ring's units are one K step
                 return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1)
-            return replace(cfg, l2_prefetch=self.l2)
-        return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0)   # the cluster design: L2 or the op's own
+            return replace(cfg, l2_prefetch=self.l2 or cfg.l2_prefetch, evict_first=self.evict)
+        # the cluster design: L2 or the op's own
+        return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0, evict_first=self.evict)
 
 
 def stream_configs():
@@ -250,7 +251,8 @@ def stream_configs():
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks, d: those CTAs
     one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage) and the op's
     own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on
-    its wgmma tiles (T, TL, TL8; ProductionVariantDef), and P: the op's own binaries again through an op of
+    its wgmma tiles (T, TL, TL8; ProductionVariantDef), E after those: the weights read with L2 evict-first
+    priority (E, LE, L8E), and P: the op's own binaries again through an op of
     their own, timed where P stands in the list (a control: what two timings of identical binaries differ by in
     one process, 0.7 us in the step once, qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring
     filling shared memory. A config a spec cannot take (its plan refuses the shape) is skipped on that spec, with
@@ -265,18 +267,19 @@ def stream_configs():
             if c == "P":
                 out.append(("production control", None, KDEF))
                 continue
-            prod = re.fullmatch(r"(T)?(?:L(\d*))?", c)
-            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units)
-                tma, l2 = prod.groups()
+            prod = re.fullmatch(r"(T)?(?:L(\d*))?(E)?", c)
+            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units), E: evict-first reads
+                tma, l2, ev = prod.groups()
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
-                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
+                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,
+                                                                           evict=ev is not None)))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?"
                                  r"(?:k(\d+))?(d)?(?:u(\d+))?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
                                  "f<tokens>l<units>k<splits>[d]u<steps> (in that order, each part optional), T, L, L<units>, TL, "
-                                 "TL<units>, P")
+                                 "TL<units>, each optionally followed by E, P")
             w, st, p, cs, g, tma, f, l2, k, dsmem, us = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),

@@ -121,7 +121,9 @@ class StreamConfig:
     through distributed shared memory, each finishing ``ceil(n-tiles /
     splits)`` of the tile's 8-token n-tiles, the last ranks fewer or none) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
-    units of a 128-row block, the wgmma cp.async ring only)."""
+    units of a 128-row block, the wgmma cp.async ring only) and
+    ``evict_first`` (the ring's weight copies read with an L2 evict-first
+    policy: dead once read, they leave L2 first; the cp.async ring only)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -134,8 +136,14 @@ class StreamConfig:
     splits: int = 0
     cluster: bool = False
     unit_steps: int = 1
+    evict_first: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.evict_first, bool):
+            raise TypeError(f"StreamConfig.evict_first = {self.evict_first!r} must be a bool")
+        if self.evict_first and (self.tma or self.prefetch):
+            raise ValueError("StreamConfig: evict_first = True applies to the cp.async ring's weight copies: "
+                             f"tma = {self.tma}, prefetch = {self.prefetch} must be off (False, 0)")
         if self.cluster and self.splits < 2:
             raise ValueError(f"StreamConfig: cluster = True reduces the splits CTAs of a block in a cluster: "
                              f"splits = {self.splits} must be >= 2")
