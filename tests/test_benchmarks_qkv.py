@@ -3,6 +3,7 @@
 import os
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -30,7 +31,18 @@ def test_labels_parse(monkeypatch):
     assert got["stream s4c2gtl8"][0] == StreamConfig(stages=4, ctas_per_sm=2, wgmma=True, tma=True, l2_prefetch=8)
     for label, l2, tma in (("L", MAX_L2_PREFETCH, False), ("L8", 8, False), ("T", 0, True), ("TL16", 16, True)):
         cfg, kd = got[f"production {label}"]
-        assert cfg is None and (kd.l2, kd.tma) == (l2, tma), label
+        assert cfg is None and (kd.l2, kd.tma, kd.evict) == (l2, tma, False), label
+
+
+def test_evict_label_changes_only_the_reads(monkeypatch):
+    """E (after T / L): the op's configuration per tile with its weights read L2 evict-first, nothing else."""
+    got = {label: kd for label, _, kd in _configs(monkeypatch, "E,L8E")}
+    assert (got["production E"].l2, got["production E"].evict) == (0, True)
+    assert (got["production L8E"].l2, got["production L8E"].evict) == (8, True)
+    spec = bq.token_specs()[1][0]   # flint-bf16, max_tokens 64: the cluster design at 8 tokens, streaming above
+    for t in token_tiles(spec.max_tokens):
+        base, cfg = bq.KDEF.config(spec, t, SM90), got["production E"].config(spec, t, SM90)
+        assert cfg == replace(base, evict_first=True), t
 
 
 def test_control_label_is_production_again(monkeypatch):

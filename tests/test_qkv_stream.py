@@ -142,7 +142,7 @@ def _cfg_id(c):
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
-        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "")
+        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("e" if c.evict_first else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -252,6 +252,31 @@ SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1
                   ("d96_r24", 64, StreamConfig(stages=6, splits=2, cluster=True)),
                   # ranks past the tile's n-tiles (padded slices): 3 ranks at 16 / 64 tokens, 2 at the 8-token tile
                   ("flint_bf16", 16, K3D), ("flint_bf16", 64, K3DU), ("bf16_4096", 8, K2DU), ("glm4_fp8", 32, K3D)]
+
+
+# the ring's weight copies with the L2 evict-first policy (evict_first): the op's 8-token ring (units of two K
+# steps) and its cluster finish at 64 tokens
+EVICT_COMPILE = [("bf16_4096", 8, StreamConfig(wgmma=True, unit_steps=2, evict_first=True)),
+                 ("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=2, cluster=True, evict_first=True))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", EVICT_COMPILE, ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in EVICT_COMPILE])
+def test_stream_evict_first_compiles_clean(name, max_m, cfg):
+    import re
+
+    from dataclasses import replace
+
+    spec = _spec(name)
+    p, ptx = _compiled(spec, cfg, max_m)
+    assert p["evict_first"] is True
+    copies = re.findall(r"cp\.async\.cg\.shared\.global\S* \[[^]]+\], \[[^]]+\], 16, n(?:, %rd\d+)?;", ptx)
+    hinted = [c for c in copies if ".L2::cache_hint" in c]
+    # every weight copy hinted (BLOCK_ROWS x 8 pieces per sub-stage over the threads), xn's copies not
+    assert hinted and len(hinted) < len(copies), (len(hinted), len(copies))
+    assert "createpolicy.fractional.L2::evict_first.b64" in ptx
+    _, off = _compiled(spec, replace(cfg, evict_first=False), max_m)
+    assert "cache_hint" not in off and "createpolicy" not in off
 
 
 # units of two K steps (unit_steps = 2): the cluster finish at 16 / 64 tokens (head dims 64 / 128, an fp8 cache),
@@ -455,7 +480,9 @@ def test_stream_finish_numerics(name, m, cfg):
 
 # (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens), two 16-row tiles per warp and
 # the register path (prefetch depths, 1 and 2 CTAs per SM)
-CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
+CONFIGS = [(StreamConfig(wgmma=True, unit_steps=2, evict_first=True), 8, 8),
+           (StreamConfig(stages=6, wgmma=True, splits=2, cluster=True, evict_first=True), 33, 64),
+           (StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
            (StreamConfig(warp_tiles=2, stages=4), 64, 64), (GU6, 1, 8), (GU6, 8, 8), (GU, 40, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),
