@@ -68,7 +68,7 @@ copy paths bring the weights:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
 from flintgen.configs.qkv_config import CTA_SMEM_RESERVED
@@ -228,7 +228,23 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       filling shared memory (``stages = 0``: 12 / 10 / 8 stages at 16 / 32
       / 64 tokens; against 8, steps at 16 / 32 tokens 10.49 / 10.99 ->
       10.24 / 10.85 and 20.73 / 22.09 -> 20.27 / 22.06, GEMV -0.40 / -0.30
-      and -0.60 / -0.19 us; the TMA ring was not faster)."""
+      and -0.60 / -0.19 us; the TMA ring was not faster).
+    * Every streaming tile copies its weights with the L2 evict-first policy
+      (``evict_first``): read once, they leave L2 before what the step reads
+      again (x, the residual, xn, the next launch's data). qkv_evict.md,
+      H100, 3 runs with a control, steps at M = 1 / 8 / 16 / 64: hidden 4096
+      32/8 19.56 / 19.84 / 20.48 / 22.72 -> 18.77 / 19.04 / 19.39 / 22.35 us
+      (GEMV -0.37 / -0.41 / -1.06 / -0.77); hidden 2048 at 16 tokens 10.26 ->
+      9.48 (GEMV level), at 64 12.02 -> 12.14 (within the spread; GEMV
+      -0.27). The cluster design's loads with the same policy were level
+      (flint-bf16 M = 1 / 8), so it keeps the default."""
+    cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
+    return None if cfg is None else replace(cfg, evict_first=True)
+
+
+def _stream_tile(weight_format: str, max_m: int, head_dim: int, *, hidden: int, heads: int,
+                 ctas: int) -> "StreamConfig | None":
+    """stream_config's ring, tile and finish per token tile (before the read policy)."""
     if weight_format != "bf16":
         return None
     whole_warpgroups = block_rows_of(head_dim) % WARPGROUP_ROWS == 0
