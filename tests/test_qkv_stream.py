@@ -486,6 +486,8 @@ def test_stream_finish_numerics(name, m, cfg):
 # (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens), two 16-row tiles per warp and
 # the register path (prefetch depths, 1 and 2 CTAs per SM)
 CONFIGS = [(StreamConfig(wgmma=True, unit_steps=2, evict_first=True), 8, 8),
+           (StreamConfig(wgmma=True, unit_steps=2, l2_prefetch=2, evict_first=True), 1, 8),
+           (StreamConfig(wgmma=True, unit_steps=2, l2_prefetch=2, evict_first=True), 7, 8),
            (StreamConfig(stages=6, wgmma=True, splits=2, cluster=True, evict_first=True), 33, 64),
            (StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
