@@ -82,7 +82,8 @@ def test_variant_and_template():
     assert k132(32, 256, heads=20).splits == 2                                            # two blocks a head
     assert k132(32, 96, heads=40) == EF(stages=6)   # the mma.sync ring
     assert sp.stream_config("bf16", 32, 128, hidden=2048, heads=40, ctas=78).splits == 0  # 80 > 78 SMs
-    assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == EF(wgmma=True, unit_steps=2)
+    assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == EF(wgmma=True, unit_steps=2,
+                                                                                   l2_prefetch=1)
     flint64 = _spec("flint_bf16").replace(max_tokens=64)
     assert [dict(v.params).get("splits", 0) for v in KDEF.variants(flint64, T132)] == [0, 2, 2, 2]
     assert [dict(v.params).get("dsmem_reduce", False) for v in KDEF.variants(flint64, T132)] == [False] + [True] * 3
@@ -94,12 +95,14 @@ def test_variant_and_template():
                                                    target=T132).params)
     assert KDEF.config(flint64, 32) == EF(stages=8, wgmma=True)   # no target: the rule left out
     # the 8-token tile streams for whole-warpgroup blocks only: from hidden 3072 where it is a multiple of 128
-    # (units of two K steps, the ring filling shared memory), from 3584 otherwise (wgmma, 8 stages)
+    # (units of two K steps, the ring filling shared memory, one unit prefetched into L2 ahead up to hidden 4096),
+    # from 3584 otherwise (wgmma, 8 stages)
     assert sp.stream_config("bf16", 8, 128, hidden=3071 - 63) is None
     assert sp.stream_config("bf16", 8, 128, hidden=3136) is None and sp.stream_config("bf16", 8, 128, hidden=3520) is None
     for d in (64, 128, 256):
-        for h in (3072, 3200, 3584, 8192):
-            assert sp.stream_config("bf16", 8, d, hidden=h) == EF(wgmma=True, unit_steps=2)
+        for h in (3072, 3200, 3584, 4096, 4224, 8192):
+            l2 = sp.STREAM_L2_PREFETCH_8 if h <= sp.STREAM_L2_PREFETCH_MAX_HIDDEN else 0
+            assert sp.stream_config("bf16", 8, d, hidden=h) == EF(wgmma=True, unit_steps=2, l2_prefetch=l2)
         assert sp.stream_config("bf16", 8, d, hidden=3648) == EF(stages=8, wgmma=True)
     assert sp.stream_config("bf16", 8, 96, hidden=8192) is None
     assert sp.stream_config("nvfp4", 8, 128, hidden=8192) is None

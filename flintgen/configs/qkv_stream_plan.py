@@ -83,6 +83,8 @@ MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
 STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wgmma head dims only) ...
 STREAM_MIN_HIDDEN_8_UNITS = 3072  # ... or this one where hidden is a multiple of 2 K_STEP (units of two K steps)
+STREAM_L2_PREFETCH_8 = 1    # ... whose two-step-unit ring keeps this many units prefetched into L2 ahead ...
+STREAM_L2_PREFETCH_MAX_HIDDEN = 4096   # ... up to this hidden size (measured at 4096; larger: not measured)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens (the cluster finish fills smem)
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
@@ -237,7 +239,18 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       (GEMV -0.37 / -0.41 / -1.06 / -0.77); hidden 2048 at 16 tokens 10.26 ->
       9.48 (GEMV level), at 64 12.02 -> 12.14 (within the spread; GEMV
       -0.27). The cluster design's loads with the same policy were level
-      (flint-bf16 M = 1 / 8), so it keeps the default."""
+      (flint-bf16 M = 1 / 8), so it keeps the default.
+    * With those reads the 8-token tile's ring of two-step units keeps
+      STREAM_L2_PREFETCH_8 = 1 unit prefetched into L2 ahead of its copies
+      (``l2_prefetch``; before the grid wait, the unit after the copied
+      ones), up to hidden STREAM_L2_PREFETCH_MAX_HIDDEN (qkv_evict.md run 3,
+      H100, 3 runs with a control, hidden 4096 32/8 at M = 1 / 2 / 4 / 8:
+      GEMV 18.20 / 18.25 / 18.25 / 18.35 -> 16.49 / 16.51 / 16.51 / 16.55
+      us, 99 % of the floor; steps 19.34 / 19.35 / 19.45 / 19.55 -> 17.72 /
+      17.78 / 17.86 / 18.12; 2 units ahead -1.2 to -1.3 us, 4 level; at 16
+      and 64 tokens 2 and 8 units ahead were 0.5-13 us slower, run 2).
+      Larger hidden sizes were not measured (before evict-first reads the L2
+      prefetch cost 2-18 us there) and keep none."""
     cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
     return None if cfg is None else replace(cfg, evict_first=True)
 
@@ -250,7 +263,8 @@ def _stream_tile(weight_format: str, max_m: int, head_dim: int, *, hidden: int, 
     whole_warpgroups = block_rows_of(head_dim) % WARPGROUP_ROWS == 0
     if max_m < STREAM_MIN_TOKENS:
         if whole_warpgroups and hidden >= STREAM_MIN_HIDDEN_8_UNITS and hidden % (2 * K_STEP) == 0:
-            return StreamConfig(wgmma=True, unit_steps=2)      # the ring fills shared memory
+            l2 = STREAM_L2_PREFETCH_8 if hidden <= STREAM_L2_PREFETCH_MAX_HIDDEN else 0
+            return StreamConfig(wgmma=True, unit_steps=2, l2_prefetch=l2)      # the ring fills shared memory
         if whole_warpgroups and hidden >= STREAM_MIN_HIDDEN_8:
             return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True)
         return None
