@@ -228,19 +228,22 @@ class ProductionVariantDef(QKVDef):
     """The op's own configuration per token tile with one change: weights prefetched into L2 before the
     grid-dependency wait (``l2``: units per range on the streaming design, a huge number for the whole
     range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``; the TMA
-    ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one)."""
+    ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one, and no read
+    policy) and / or the weights read with the L2 evict-first policy or not (``evict``; None: the op's own)."""
 
-    def __init__(self, l2: int = 0, tma: bool = False):
+    def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None):
         super().__init__()
-        self.l2, self.tma = l2, tma
+        self.l2, self.tma, self.evict = l2, tma, evict
 
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
+        evict = cfg.evict_first if self.evict is None else self.evict   # None: the op's own read policy
         if isinstance(cfg, qkv_stream.StreamConfig):
-            if self.tma and cfg.wgmma:   # the TMA ring's units are one K step
-                return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1)
-            return replace(cfg, l2_prefetch=self.l2)
-        return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0)   # the cluster design: L2 or the op's own
+            if self.tma and cfg.wgmma:   # the TMA ring's units are one K step (and take no read policy)
+                return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1, evict_first=False)
+            return replace(cfg, l2_prefetch=self.l2 or cfg.l2_prefetch, evict_first=evict)
+        # the cluster design: L2 or the op's own
+        return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0, evict_first=evict)
 
 
 def stream_configs():
@@ -248,13 +251,14 @@ def stream_configs():
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks, d: those CTAs
-    one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage) and the op's
-    own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range) and / or the TMA ring on
-    its wgmma tiles (T, TL, TL8; ProductionVariantDef), and P: the op's own binaries again through an op of
-    their own, timed where P stands in the list (a control: what two timings of identical binaries differ by in
-    one process, 0.7 us in the step once, qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring
-    filling shared memory. A config a spec cannot take (its plan refuses the shape) is skipped on that spec, with
-    a line saying why (``usable``)."""
+    one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage, e: weights read
+    with the L2 evict-first policy) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units
+    of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8) and / or, last, the weights read
+    with the L2 evict-first policy or not (E, N, LE, L8N; without either, the op's own policy; ProductionVariantDef),
+    and P: the op's own binaries again through an op of their own, timed where P stands in the list (a control:
+    what two timings of identical binaries differ by in one process, 0.7 us in the step once,
+    qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring filling shared memory. A config a spec
+    cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why (``usable``)."""
     import re
 
     out = [("production", None, KDEF)]
@@ -265,25 +269,26 @@ def stream_configs():
             if c == "P":
                 out.append(("production control", None, KDEF))
                 continue
-            prod = re.fullmatch(r"(T)?(?:L(\d*))?", c)
-            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units)
-                tma, l2 = prod.groups()
+            prod = re.fullmatch(r"(T)?(?:L(\d*))?([EN])?", c)
+            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units), E / N: evict-first
+                tma, l2, ev = prod.groups()   # reads or not (else the op's own)
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
-                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None)))
+                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,
+                                                                           evict=None if ev is None else ev == "E")))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?"
-                                 r"(?:k(\d+))?(d)?(?:u(\d+))?", c)
+                                 r"(?:k(\d+))?(d)?(?:u(\d+))?(e)?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
-                                 "f<tokens>l<units>k<splits>[d]u<steps> (in that order, each part optional), T, L, L<units>, TL, "
-                                 "TL<units>, P")
-            w, st, p, cs, g, tma, f, l2, k, dsmem, us = parts.groups()
+                                 "f<tokens>l<units>k<splits>[d]u<steps>[e] (in that order, each part optional), T, L, L<units>, TL, "
+                                 "TL<units>, each optionally followed by E or N, P")
+            w, st, p, cs, g, tma, f, l2, k, dsmem, us, ev = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
                                                                 wgmma=g is not None, finish_tokens=int(f or 0),
                                                                 l2_prefetch=int(l2 or 0), tma=tma is not None,
                                                                 splits=int(k or 0), cluster=dsmem is not None,
-                                                                unit_steps=int(us or 1)),
+                                                                unit_steps=int(us or 1), evict_first=ev is not None),
                           KDEF))
     return out
 

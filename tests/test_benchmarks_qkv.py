@@ -3,6 +3,7 @@
 import os
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -30,7 +31,23 @@ def test_labels_parse(monkeypatch):
     assert got["stream s4c2gtl8"][0] == StreamConfig(stages=4, ctas_per_sm=2, wgmma=True, tma=True, l2_prefetch=8)
     for label, l2, tma in (("L", MAX_L2_PREFETCH, False), ("L8", 8, False), ("T", 0, True), ("TL16", 16, True)):
         cfg, kd = got[f"production {label}"]
-        assert cfg is None and (kd.l2, kd.tma) == (l2, tma), label
+        assert cfg is None and (kd.l2, kd.tma, kd.evict) == (l2, tma, None), label
+
+
+def test_evict_labels_change_only_the_read_policy(monkeypatch):
+    """E / N (after T / L): the op's configuration per tile with its weights read L2 evict-first or not, nothing
+    else; the streaming tiles' own policy is evict-first (stream_config), the cluster design's not."""
+    got = {label: kd for label, _, kd in _configs(monkeypatch, "E,N,L8E,s6gu2e")}
+    assert (got["production E"].l2, got["production E"].evict) == (0, True)
+    assert (got["production N"].l2, got["production N"].evict) == (0, False)
+    assert (got["production L8E"].l2, got["production L8E"].evict) == (8, True)
+    assert _configs(monkeypatch, "s6gu2e")[-1][1] == StreamConfig(stages=6, wgmma=True, unit_steps=2, evict_first=True)
+    spec = bq.token_specs()[1][0]   # flint-bf16, max_tokens 64: the cluster design at 8 tokens, streaming above
+    for t in token_tiles(spec.max_tokens):
+        base = bq.KDEF.config(spec, t, SM90)
+        assert base.evict_first == isinstance(base, StreamConfig), t
+        for label, ev in (("production E", True), ("production N", False)):
+            assert got[label].config(spec, t, SM90) == replace(base, evict_first=ev), (label, t)
 
 
 def test_control_label_is_production_again(monkeypatch):
@@ -50,7 +67,8 @@ def test_production_variant_def_changes_one_thing():
         if isinstance(base, QKVConfig):   # the cluster design: its rows' rest prefetched, nothing else
             assert cfg == QKVConfig(base.rows, base.cluster, base.warps, base.prefetch, base.early_dequant, True)
         else:
-            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True, "unit_steps": 1})
+            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True, "unit_steps": 1,
+                                          "evict_first": False})
 
 
 def test_production_variant_def_keeps_the_ops_l2_prefetch():
@@ -61,7 +79,7 @@ def test_production_variant_def_keeps_the_ops_l2_prefetch():
     base, cfg = bq.KDEF.config(spec, 8, SM90), kd.config(spec, 8, SM90)
     assert isinstance(base, QKVConfig) and base.l2_prefetch and cfg == base
     base, cfg = bq.KDEF.config(spec, 16, SM90), kd.config(spec, 16, SM90)
-    assert cfg == StreamConfig(**{**base.__dict__, "tma": True, "unit_steps": 1})
+    assert cfg == StreamConfig(**{**base.__dict__, "tma": True, "unit_steps": 1, "evict_first": False})
 
 
 def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
@@ -78,7 +96,7 @@ def test_bad_label_is_refused(monkeypatch):
     # x9, and the labels of options since removed (h: tail heads, d: pool steps, n: fused norm)
     for label in ("x9", "s6gf8h10", "s8gf8d13", "s8gn"):
         with pytest.raises(ValueError,
-                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits>\[d\]u<steps> \("):
+                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits>\[d\]u<steps>\[e\] \("):
             _configs(monkeypatch, label)
 
 

@@ -19,6 +19,7 @@ tests/test_qkv_epilogue.py.
 
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -246,6 +247,8 @@ def test_config_heuristic():
         QKVConfig(32, 4, 8, 4, True)
     with pytest.raises(TypeError, match="l2_prefetch = 1 must be a bool"):
         QKVConfig(32, 4, 8, 4, l2_prefetch=1)
+    with pytest.raises(TypeError, match="evict_first = 1 must be a bool"):
+        QKVConfig(32, 4, 8, 4, evict_first=1)
 
 
 def test_variant_names_every_code_path():
@@ -386,6 +389,31 @@ def test_l2_prefetch_variant_compiles_clean(name):
     check_design_ptx(ptx, spec)
     wait = ptx.index("griddepcontrol.wait")
     assert ptx[:wait].count("cp.async.bulk.prefetch.L2.global") == 1 and "prefetch.L2" not in ptx[wait:]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["flint", "flint_bf16"])
+def test_evict_first_variant_compiles_clean(name):
+    """QKVConfig.evict_first: every weight (and scale) load reads with the L2 evict-first policy; off, none does."""
+    from dataclasses import replace
+
+    from flintgen.runtime import load_variant
+
+    spec = SPECS[name]
+    v = KDEF.variant(spec, config=replace(cluster_config(spec), evict_first=True))
+    off = KDEF.variant(spec, config=cluster_config(spec))
+    assert dict(v.params)["evict_first"] is True and "evict_first" not in dict(off.params)
+    load_variant(KDEF, spec, v, T132)
+    res, ptx = check_compiled(KDEF, spec, v, T132)
+    check_design_ptx(ptx, spec)
+    weight_loads = re.findall(r"ld\.global\.L1::no_allocate\S*", ptx)
+    assert weight_loads and all(".L2::cache_hint" in w for w in weight_loads), weight_loads
+    assert "createpolicy.fractional.L2::evict_first.b64" in ptx
+    if spec.weight_format == "nvfp4":   # the scale bytes too
+        assert "ld.global.L2::cache_hint.u8" in ptx
+    load_variant(KDEF, spec, off, T132)
+    _, ptx_off = check_compiled(KDEF, spec, off, T132)
+    assert "cache_hint" not in ptx_off and "createpolicy" not in ptx_off
 
 
 def cluster_config(spec, max_m: int = 8) -> QKVConfig:
@@ -608,12 +636,15 @@ OTHER_CONFIGS = [("flint", QKVConfig(32, 4, 8, 4), 8), ("flint", QKVConfig(32, 4
                  ("flint", QKVConfig(16, 8, 4, 8), 3), ("bf16_4096", QKVConfig(16, 8, 8, 4), 8),
                  ("oss_nvfp4", QKVConfig(16, 4, 8, 6, 6), 6),
                  ("d96", QKVConfig(16, 6, 8, 6), 8), ("d96", QKVConfig(16, 6, 8, 6), 3),   # 6-CTA clusters
-                 ("bf16_4096", QKVConfig(32, 4, 8, 2, l2_prefetch=True), 7)]   # rows' rest prefetched into L2
+                 ("bf16_4096", QKVConfig(32, 4, 8, 2, l2_prefetch=True), 7),   # rows' rest prefetched into L2
+                 ("flint", QKVConfig(32, 4, 8, 4, evict_first=True), 8),     # L2 evict-first weight reads
+                 ("flint_bf16", QKVConfig(32, 4, 8, 2, l2_prefetch=True, evict_first=True), 3)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, cfg, m", OTHER_CONFIGS,
                          ids=[f"{n}-r{c.rows}w{c.warps}p{c.prefetch}e{c.early_dequant}{'-l2' if c.l2_prefetch else ''}"
+                              f"{'-ef' if c.evict_first else ''}"
                               for n, c, _ in OTHER_CONFIGS])
 def test_numerics_other_launch_configs(name, cfg, m):
     """The configurations a benchmark sweep may pick compute the same contract."""

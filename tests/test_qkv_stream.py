@@ -34,6 +34,11 @@ T132 = Target("sm_90a", 132)
 F64 = FLINT.replace(weight_format="bf16", max_tokens=64)
 
 
+def EF(**kw) -> StreamConfig:
+    """A streaming tile as stream_config selects it: its weights copied with the L2 evict-first policy."""
+    return StreamConfig(evict_first=True, **kw)
+
+
 def test_variant_and_template():
     v = KDEF.variant(F64, config=StreamConfig(), max_m=16, target=T132)
     assert v["design"] == "stream" and v["ctas"] == 132 and v["max_m"] == 16
@@ -52,15 +57,15 @@ def test_variant_and_template():
     d96 = _spec("d96_r24")
     assert not any(dict(v.params).get("wgmma") for v in KDEF.variants(d96, T132))
     sc = functools.partial(sp.stream_config, hidden=2048)
-    assert sc("bf16", 64, 96) == sc("bf16", 16, 96) == StreamConfig(stages=6)
-    assert sc("bf16", 32, 256) == StreamConfig(stages=8, wgmma=True)
-    assert sc("bf16", 64, 64) == StreamConfig(stages=6, wgmma=True)
+    assert sc("bf16", 64, 96) == sc("bf16", 16, 96) == EF(stages=6)
+    assert sc("bf16", 32, 256) == EF(stages=8, wgmma=True)
+    assert sc("bf16", 64, 64) == EF(stages=6, wgmma=True)
     # the 64-token tile finishes heads in two slices of 32 tokens where those fit one per CTA
-    assert sc("bf16", 64, 128, heads=40) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
-    assert sc("bf16", 64, 128, heads=64) == StreamConfig(stages=6, wgmma=True, finish_tokens=32)
-    assert sc("bf16", 64, 64, heads=80) == StreamConfig(stages=6, wgmma=True)
-    assert sc("bf16", 32, 128, heads=40) == StreamConfig(stages=8, wgmma=True)
-    assert sc("bf16", 64, 96, heads=40) == StreamConfig(stages=6)
+    assert sc("bf16", 64, 128, heads=40) == EF(stages=6, wgmma=True, finish_tokens=32)
+    assert sc("bf16", 64, 128, heads=64) == EF(stages=6, wgmma=True, finish_tokens=32)
+    assert sc("bf16", 64, 64, heads=80) == EF(stages=6, wgmma=True)
+    assert sc("bf16", 32, 128, heads=40) == EF(stages=8, wgmma=True)
+    assert sc("bf16", 64, 96, heads=40) == EF(stages=6)
     assert sc("nvfp4", 64, 128) is None and sc("bf16", 8, 128) is None
     # the grid aligned to blocks, SPLITS CTAs each, where that grid is SPLITS_MIN_FILL .. 1 x the SMs (wgmma tiles
     # of 16 tokens and more; ctas = 0: the rule left out)
@@ -68,34 +73,37 @@ def test_variant_and_template():
     # (head_dim 64 / 128)
     k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
     for m in (16, 32, 64):
-        assert k132(m, 128, heads=40) == StreamConfig(wgmma=True, splits=sp.SPLITS, cluster=True)
-        assert k132(m, 64, heads=60) == StreamConfig(wgmma=True, splits=sp.SPLITS, cluster=True)
-    assert k132(64, 256, heads=20) == StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
-    assert k132(32, 256, heads=20) == StreamConfig(stages=8, wgmma=True, splits=sp.SPLITS)
+        assert k132(m, 128, heads=40) == EF(wgmma=True, splits=sp.SPLITS, cluster=True)
+        assert k132(m, 64, heads=60) == EF(wgmma=True, splits=sp.SPLITS, cluster=True)
+    assert k132(64, 256, heads=20) == EF(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
+    assert k132(32, 256, heads=20) == EF(stages=8, wgmma=True, splits=sp.SPLITS)
     assert k132(32, 128, heads=66).splits == 2 and k132(32, 128, heads=67).splits == 0    # 134 > 132 CTAs
     assert k132(32, 128, heads=40).splits == 2 and k132(32, 128, heads=39).splits == 0    # 78 < 0.6 x 132
     assert k132(32, 256, heads=20).splits == 2                                            # two blocks a head
-    assert k132(32, 96, heads=40) == StreamConfig(stages=6)                               # the mma.sync ring
+    assert k132(32, 96, heads=40) == EF(stages=6)   # the mma.sync ring
     assert sp.stream_config("bf16", 32, 128, hidden=2048, heads=40, ctas=78).splits == 0  # 80 > 78 SMs
-    assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == StreamConfig(wgmma=True, unit_steps=2)
+    assert sp.stream_config("bf16", 8, 128, hidden=4096, heads=48, ctas=132) == EF(wgmma=True, unit_steps=2,
+                                                                                   l2_prefetch=1)
     flint64 = _spec("flint_bf16").replace(max_tokens=64)
     assert [dict(v.params).get("splits", 0) for v in KDEF.variants(flint64, T132)] == [0, 2, 2, 2]
     assert [dict(v.params).get("dsmem_reduce", False) for v in KDEF.variants(flint64, T132)] == [False] + [True] * 3
     # StreamConfig.cluster takes every tile (the 8-token tile too: rank 0 finishes every token)
-    k2d = StreamConfig(wgmma=True, splits=2, cluster=True)
+    k2d = EF(wgmma=True, splits=2, cluster=True)
     assert all(dict(KDEF.variant(flint64, config=k2d, max_m=m, target=T132).params).get("dsmem_reduce")
                for m in (8, 16, 32, 64))
     assert "dsmem_reduce" not in dict(KDEF.variant(flint64, config=StreamConfig(wgmma=True, splits=2), max_m=8,
                                                    target=T132).params)
-    assert KDEF.config(flint64, 32) == StreamConfig(stages=8, wgmma=True)   # no target: the rule left out
+    assert KDEF.config(flint64, 32) == EF(stages=8, wgmma=True)   # no target: the rule left out
     # the 8-token tile streams for whole-warpgroup blocks only: from hidden 3072 where it is a multiple of 128
-    # (units of two K steps, the ring filling shared memory), from 3584 otherwise (wgmma, 8 stages)
+    # (units of two K steps, the ring filling shared memory, one unit prefetched into L2 ahead up to hidden 4096),
+    # from 3584 otherwise (wgmma, 8 stages)
     assert sp.stream_config("bf16", 8, 128, hidden=3071 - 63) is None
     assert sp.stream_config("bf16", 8, 128, hidden=3136) is None and sp.stream_config("bf16", 8, 128, hidden=3520) is None
     for d in (64, 128, 256):
-        for h in (3072, 3200, 3584, 8192):
-            assert sp.stream_config("bf16", 8, d, hidden=h) == StreamConfig(wgmma=True, unit_steps=2)
-        assert sp.stream_config("bf16", 8, d, hidden=3648) == StreamConfig(stages=8, wgmma=True)
+        for h in (3072, 3200, 3584, 4096, 4224, 8192):
+            l2 = sp.STREAM_L2_PREFETCH_8 if h <= sp.STREAM_L2_PREFETCH_MAX_HIDDEN else 0
+            assert sp.stream_config("bf16", 8, d, hidden=h) == EF(wgmma=True, unit_steps=2, l2_prefetch=l2)
+        assert sp.stream_config("bf16", 8, d, hidden=3648) == EF(stages=8, wgmma=True)
     assert sp.stream_config("bf16", 8, 96, hidden=8192) is None
     assert sp.stream_config("nvfp4", 8, 128, hidden=8192) is None
     assert {dict(v.params).get("design") for v in KDEF.variants(FLINT.replace(max_tokens=64), T132)} == {None}
@@ -142,7 +150,7 @@ def _cfg_id(c):
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
-        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "")
+        ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("e" if c.evict_first else "")
 
 
 def _compiled(spec, cfg, max_m):
@@ -252,6 +260,31 @@ SPLITS_COMPILE = [("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=1
                   ("d96_r24", 64, StreamConfig(stages=6, splits=2, cluster=True)),
                   # ranks past the tile's n-tiles (padded slices): 3 ranks at 16 / 64 tokens, 2 at the 8-token tile
                   ("flint_bf16", 16, K3D), ("flint_bf16", 64, K3DU), ("bf16_4096", 8, K2DU), ("glm4_fp8", 32, K3D)]
+
+
+# the ring's weight copies with the L2 evict-first policy (evict_first): the op's 8-token ring (units of two K
+# steps) and its cluster finish at 64 tokens
+EVICT_COMPILE = [("bf16_4096", 8, StreamConfig(wgmma=True, unit_steps=2, evict_first=True)),
+                 ("flint_bf16", 64, StreamConfig(stages=6, wgmma=True, splits=2, cluster=True, evict_first=True))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", EVICT_COMPILE, ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in EVICT_COMPILE])
+def test_stream_evict_first_compiles_clean(name, max_m, cfg):
+    import re
+
+    from dataclasses import replace
+
+    spec = _spec(name)
+    p, ptx = _compiled(spec, cfg, max_m)
+    assert p["evict_first"] is True
+    copies = re.findall(r"cp\.async\.cg\.shared\.global\S* \[[^]]+\], \[[^]]+\], 16, n(?:, %rd\d+)?;", ptx)
+    hinted = [c for c in copies if ".L2::cache_hint" in c]
+    # every weight copy hinted (BLOCK_ROWS x 8 pieces per sub-stage over the threads), xn's copies not
+    assert hinted and len(hinted) < len(copies), (len(hinted), len(copies))
+    assert "createpolicy.fractional.L2::evict_first.b64" in ptx
+    _, off = _compiled(spec, replace(cfg, evict_first=False), max_m)
+    assert "cache_hint" not in off and "createpolicy" not in off
 
 
 # units of two K steps (unit_steps = 2): the cluster finish at 16 / 64 tokens (head dims 64 / 128, an fp8 cache),
@@ -455,7 +488,11 @@ def test_stream_finish_numerics(name, m, cfg):
 
 # (config, M, max_tokens): ring depths (11 fill a CTA at 8 tokens), two 16-row tiles per warp and
 # the register path (prefetch depths, 1 and 2 CTAs per SM)
-CONFIGS = [(StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
+CONFIGS = [(StreamConfig(wgmma=True, unit_steps=2, evict_first=True), 8, 8),
+           (StreamConfig(wgmma=True, unit_steps=2, l2_prefetch=2, evict_first=True), 1, 8),
+           (StreamConfig(wgmma=True, unit_steps=2, l2_prefetch=2, evict_first=True), 7, 8),
+           (StreamConfig(stages=6, wgmma=True, splits=2, cluster=True, evict_first=True), 33, 64),
+           (StreamConfig(stages=2), 9, 64), (StreamConfig(stages=2), 64, 64), (StreamConfig(stages=3), 1, 64),
            (StreamConfig(stages=11), 8, 8), (StreamConfig(warp_tiles=2), 7, 64), (StreamConfig(warp_tiles=2), 33, 64),
            (StreamConfig(warp_tiles=2, stages=4), 64, 64), (GU6, 1, 8), (GU6, 8, 8), (GU, 40, 64),
            (StreamConfig(prefetch=3, ctas_per_sm=2), 1, 8), (StreamConfig(prefetch=3, ctas_per_sm=2), 8, 8),

@@ -182,6 +182,13 @@ def test_register_path_refusals():
     with pytest.raises(ValueError, match=r"tma = True writes the 128-byte swizzled stages of the wgmma ring: "
                                          r"wgmma = False must be True"):
         StreamConfig(stages=6, tma=True)
+    with pytest.raises(TypeError, match=r"StreamConfig.evict_first = 1 must be a bool"):
+        StreamConfig(evict_first=1)
+    with pytest.raises(ValueError, match=r"evict_first = True applies to the cp.async ring's weight copies: "
+                                         r"tma = True, prefetch = 0 must be off"):
+        StreamConfig(stages=6, wgmma=True, tma=True, evict_first=True)
+    with pytest.raises(ValueError, match=r"evict_first = True applies .*tma = False, prefetch = 3 must be off"):
+        StreamConfig(prefetch=3, evict_first=True)
     with pytest.raises(ValueError, match=r"hidden = 192 has 3 K steps, fewer than prefetch = 4 .*prefetch fewer units"):
         sp.StreamPlan(hidden=192, head_dim=128, heads=3, ctas=132, max_m=8, prefetch=4)
     with pytest.raises(ValueError, match=r"2 CTAs of 119568 bytes of shared memory \(6 ring stages of 19584 bytes\) "

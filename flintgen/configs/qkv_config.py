@@ -80,6 +80,7 @@ class QKVConfig:
     prefetch: int   # steps of weights a warp keeps in flight
     early_dequant: int = 0  # NVFP4: prefetched steps dequantized before the grid wait
     l2_prefetch: bool = False   # the CTA's weight rows past the prefetched steps into L2 before the grid wait
+    evict_first: bool = False   # weights read with L2 evict-first priority (dead once read)
 
     def __post_init__(self) -> None:
         if self.rows not in (16, 32):
@@ -96,6 +97,8 @@ class QKVConfig:
                              f"0..prefetch ({self.prefetch})")
         if not isinstance(self.l2_prefetch, bool):
             raise TypeError(f"QKVConfig.l2_prefetch = {self.l2_prefetch!r} must be a bool")
+        if not isinstance(self.evict_first, bool):
+            raise TypeError(f"QKVConfig.evict_first = {self.evict_first!r} must be a bool")
 
     @property
     def tiles(self) -> int:

@@ -68,7 +68,7 @@ copy paths bring the weights:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
 from flintgen.configs.qkv_config import CTA_SMEM_RESERVED
@@ -83,6 +83,8 @@ MBARRIER_BYTES = 8      # one mbarrier (the TMA ring's, per stage)
 STREAM_MIN_TOKENS = 16  # token tiles from which bf16 weights take the streaming design (stream_config)
 STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wgmma head dims only) ...
 STREAM_MIN_HIDDEN_8_UNITS = 3072  # ... or this one where hidden is a multiple of 2 K_STEP (units of two K steps)
+STREAM_L2_PREFETCH_8 = 1    # ... whose two-step-unit ring keeps this many units prefetched into L2 ahead ...
+STREAM_L2_PREFETCH_MAX_HIDDEN = 4096   # ... up to this hidden size (measured at 4096; larger: not measured)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens (the cluster finish fills smem)
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
@@ -121,7 +123,9 @@ class StreamConfig:
     through distributed shared memory, each finishing ``ceil(n-tiles /
     splits)`` of the tile's 8-token n-tiles, the last ranks fewer or none) and
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
-    units of a 128-row block, the wgmma cp.async ring only)."""
+    units of a 128-row block, the wgmma cp.async ring only) and
+    ``evict_first`` (the ring's weight copies read with an L2 evict-first
+    policy: dead once read, they leave L2 first; the cp.async ring only)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -134,8 +138,14 @@ class StreamConfig:
     splits: int = 0
     cluster: bool = False
     unit_steps: int = 1
+    evict_first: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.evict_first, bool):
+            raise TypeError(f"StreamConfig.evict_first = {self.evict_first!r} must be a bool")
+        if self.evict_first and (self.tma or self.prefetch):
+            raise ValueError("StreamConfig: evict_first = True applies to the cp.async ring's weight copies: "
+                             f"tma = {self.tma}, prefetch = {self.prefetch} must be off (False, 0)")
         if self.cluster and self.splits < 2:
             raise ValueError(f"StreamConfig: cluster = True reduces the splits CTAs of a block in a cluster: "
                              f"splits = {self.splits} must be >= 2")
@@ -220,13 +230,41 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       filling shared memory (``stages = 0``: 12 / 10 / 8 stages at 16 / 32
       / 64 tokens; against 8, steps at 16 / 32 tokens 10.49 / 10.99 ->
       10.24 / 10.85 and 20.73 / 22.09 -> 20.27 / 22.06, GEMV -0.40 / -0.30
-      and -0.60 / -0.19 us; the TMA ring was not faster)."""
+      and -0.60 / -0.19 us; the TMA ring was not faster).
+    * Every streaming tile copies its weights with the L2 evict-first policy
+      (``evict_first``): read once, they leave L2 before what the step reads
+      again (x, the residual, xn, the next launch's data). qkv_evict.md,
+      H100, 3 runs with a control, steps at M = 1 / 8 / 16 / 64: hidden 4096
+      32/8 19.56 / 19.84 / 20.48 / 22.72 -> 18.77 / 19.04 / 19.39 / 22.35 us
+      (GEMV -0.37 / -0.41 / -1.06 / -0.77); hidden 2048 at 16 tokens 10.26 ->
+      9.48 (GEMV level), at 64 12.02 -> 12.14 (within the spread; GEMV
+      -0.27). The cluster design's loads with the same policy were level
+      (flint-bf16 M = 1 / 8), so it keeps the default.
+    * With those reads the 8-token tile's ring of two-step units keeps
+      STREAM_L2_PREFETCH_8 = 1 unit prefetched into L2 ahead of its copies
+      (``l2_prefetch``; before the grid wait, the unit after the copied
+      ones), up to hidden STREAM_L2_PREFETCH_MAX_HIDDEN (qkv_evict.md run 3,
+      H100, 3 runs with a control, hidden 4096 32/8 at M = 1 / 2 / 4 / 8:
+      GEMV 18.20 / 18.25 / 18.25 / 18.35 -> 16.49 / 16.51 / 16.51 / 16.55
+      us, 99 % of the floor; steps 19.34 / 19.35 / 19.45 / 19.55 -> 17.72 /
+      17.78 / 17.86 / 18.12; 2 units ahead -1.2 to -1.3 us, 4 level; at 16
+      and 64 tokens 2 and 8 units ahead were 0.5-13 us slower, run 2).
+      Larger hidden sizes were not measured (before evict-first reads the L2
+      prefetch cost 2-18 us there) and keep none."""
+    cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
+    return None if cfg is None else replace(cfg, evict_first=True)
+
+
+def _stream_tile(weight_format: str, max_m: int, head_dim: int, *, hidden: int, heads: int,
+                 ctas: int) -> "StreamConfig | None":
+    """stream_config's ring, tile and finish per token tile (before the read policy)."""
     if weight_format != "bf16":
         return None
     whole_warpgroups = block_rows_of(head_dim) % WARPGROUP_ROWS == 0
     if max_m < STREAM_MIN_TOKENS:
         if whole_warpgroups and hidden >= STREAM_MIN_HIDDEN_8_UNITS and hidden % (2 * K_STEP) == 0:
-            return StreamConfig(wgmma=True, unit_steps=2)      # the ring fills shared memory
+            l2 = STREAM_L2_PREFETCH_8 if hidden <= STREAM_L2_PREFETCH_MAX_HIDDEN else 0
+            return StreamConfig(wgmma=True, unit_steps=2, l2_prefetch=l2)      # the ring fills shared memory
         if whole_warpgroups and hidden >= STREAM_MIN_HIDDEN_8:
             return StreamConfig(stages=STREAM_STAGES_SMALL, wgmma=True)
         return None

@@ -80,32 +80,33 @@ def mma4(acc, a, b):
 # A step is 64 k; ``tiles`` 16-row MMA tiles; ``row_bytes`` one weight row;
 # accumulators ``acc[tile][n_tile]`` (4 Float32 each), activations ``xws[n_tile]``.
 def load_weights_nvfp4(weight, weight_scale, row0, s, g, t, pred, *, tiles: int, row_bytes: int,
-                       k_steps: int):
+                       k_steps: int, policy=None):
     """Step ``s`` of rows g, g+8 of every tile: per tile (2 words, 2 words,
-    scale byte, scale byte). Zeros where ``pred`` (Int32) is 0 (steps past K)."""
+    scale byte, scale byte). Zeros where ``pred`` (Int32) is 0 (steps past K).
+    ``policy``: the loads' L2 policy (ldst.evict_first_policy) or None."""
     out = []
     for rt in range(tiles):
         r = row0 + rt * 16 + g
         addr = weight.iterator.toint() + Int64(r) * row_bytes + Int64(s * 32 + t * 8)
         sc = weight_scale.iterator.toint() + Int64(nvfp4.scale_row_offset(r, k_steps) + s * 512 + t)
         out.append((
-            ldst.ldg_weight_u32x2(addr, pred),
-            ldst.ldg_weight_u32x2(addr + 8 * row_bytes, pred),
-            ldst.ldg_weight_u8(sc, pred),
-            ldst.ldg_weight_u8(sc + 128, pred),   # row + 8: same 32-row group, j + 8
+            ldst.ldg_weight_u32x2(addr, pred, policy),
+            ldst.ldg_weight_u32x2(addr + 8 * row_bytes, pred, policy),
+            ldst.ldg_weight_u8(sc, pred, policy),
+            ldst.ldg_weight_u8(sc + 128, pred, policy),   # row + 8: same 32-row group, j + 8
         ))
     return out
 
 
-def load_weights_bf16(weight, row0, s, g, t, pred, *, tiles: int, row_bytes: int):
+def load_weights_bf16(weight, row0, s, g, t, pred, *, tiles: int, row_bytes: int, policy=None):
     """Step ``s`` of rows g, g+8 of every tile: per tile (8 words, 8 words)."""
     out = []
     for rt in range(tiles):
         r = row0 + rt * 16 + g
         addr = weight.iterator.toint() + Int64(r) * row_bytes + Int64(s * 128 + t * 32)
-        g0 = list(ldst.ldg_weight_u32x4(addr, pred)) + list(ldst.ldg_weight_u32x4(addr + 16, pred))
+        g0 = list(ldst.ldg_weight_u32x4(addr, pred, policy)) + list(ldst.ldg_weight_u32x4(addr + 16, pred, policy))
         a8 = addr + 8 * row_bytes
-        g8 = list(ldst.ldg_weight_u32x4(a8, pred)) + list(ldst.ldg_weight_u32x4(a8 + 16, pred))
+        g8 = list(ldst.ldg_weight_u32x4(a8, pred, policy)) + list(ldst.ldg_weight_u32x4(a8 + 16, pred, policy))
         out.append((g0, g8))
     return out
 

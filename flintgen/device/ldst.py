@@ -22,22 +22,44 @@ from flintgen.device.ptx import _asm, _ldg_or_zero, lds_f32x4  # noqa: F401 (re-
 # movable and sinks it past griddepcontrol.wait next to its use (seen in the
 # SASS: all prefetches after ACQBULK), which serializes the weight stream;
 # coherent loads stay where they are issued. L1::no_allocate: streamed once.
+# ``policy`` (Int64 from evict_first_policy, or None): the L2 eviction policy of the
+# read (ld's plain .L2::evict_first needs 256-bit loads; the cache hint takes any).
+def _weight_load(ty, n: int, op: str, addr, pred, policy, loc, ip):
+    if policy is None:
+        return _ldg_or_zero(ty, n, op, addr, pred, loc, ip)
+    op = op.replace(".L1::no_allocate", ".L1::no_allocate.L2::cache_hint") if ".L1::" in op else \
+        op.replace("ld.global", "ld.global.L2::cache_hint")
+    dst = "{" + ", ".join(f"${i}" for i in range(n)) + "}" if n > 1 else "$0"
+    zeros = " ".join(f"mov.b32 ${i}, 0;" for i in range(n))
+    return _asm(
+        [ty] * n, [(Int64, addr), (Int32, pred), (Int64, policy)],
+        f"{{ .reg .pred p; setp.ne.s32 p, ${n + 1}, 0; {zeros}\n@p {op} {dst}, [${n}], ${n + 2}; }}",
+        side_effects=True, loc=loc, ip=ip,
+    )
+
+
 @dsl_user_op
-def ldg_weight_u32x2(addr, pred, *, loc=None, ip=None):
+def evict_first_policy(*, loc=None, ip=None):
+    """An L2 cache policy (Int64) for reads whose lines L2 evicts first (read once, dead after)."""
+    return _asm([Int64], [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ldg_weight_u32x2(addr, pred, policy=None, *, loc=None, ip=None):
     """8 bytes of weights; zeros where ``pred`` (Int32) is 0 (no access then)."""
-    return _ldg_or_zero(Uint32, 2, "ld.global.L1::no_allocate.v2.u32", addr, pred, loc, ip)
+    return _weight_load(Uint32, 2, "ld.global.L1::no_allocate.v2.u32", addr, pred, policy, loc, ip)
 
 
 @dsl_user_op
-def ldg_weight_u32x4(addr, pred, *, loc=None, ip=None):
+def ldg_weight_u32x4(addr, pred, policy=None, *, loc=None, ip=None):
     """16 bytes of weights; zeros where ``pred`` is 0."""
-    return _ldg_or_zero(Uint32, 4, "ld.global.L1::no_allocate.v4.u32", addr, pred, loc, ip)
+    return _weight_load(Uint32, 4, "ld.global.L1::no_allocate.v4.u32", addr, pred, policy, loc, ip)
 
 
 @dsl_user_op
-def ldg_weight_u8(addr, pred, *, loc=None, ip=None):
+def ldg_weight_u8(addr, pred, policy=None, *, loc=None, ip=None):
     """One byte (a scale), zero-extended; 0 where ``pred`` is 0."""
-    return _ldg_or_zero(Uint32, 1, "ld.global.u8", addr, pred, loc, ip)
+    return _weight_load(Uint32, 1, "ld.global.u8", addr, pred, policy, loc, ip)
 
 
 @dsl_user_op

@@ -47,14 +47,16 @@ ROW_PIECES = K_STEP * 2 // 16   # 16-byte pieces per staged row
 
 # ---------------------------------------------------------------- cp.async
 @dsl_user_op
-def cp_async_16(dst_smem, src_gmem, issue, fill, *, loc=None, ip=None):
+def cp_async_16(dst_smem, src_gmem, issue, fill, policy=None, *, loc=None, ip=None):
     """16 bytes global -> shared, asynchronous (L2 only), where ``issue``
     (Int32) is nonzero: the bytes at ``src_gmem``, or zeros (nothing read)
-    where ``fill`` is 0. Nothing at all where ``issue`` is 0."""
+    where ``fill`` is 0. Nothing at all where ``issue`` is 0. ``policy``
+    (Int64 from ldst.evict_first_policy, or None): the L2 eviction policy of the read."""
+    hint, ops = ("", []) if policy is None else (".L2::cache_hint", [(Int64, policy)])
     _asm(
-        [], [(Uint32, dst_smem), (Int64, src_gmem), (Int32, issue), (Int32, fill)],
+        [], [(Uint32, dst_smem), (Int64, src_gmem), (Int32, issue), (Int32, fill)] + ops,
         "{ .reg .pred p, z; .reg .b32 n; setp.ne.s32 p, $2, 0; setp.ne.s32 z, $3, 0; selp.b32 n, 16, 0, z;\n"
-        "@p cp.async.cg.shared.global [$0], [$1], 16, n; }",
+        f"@p cp.async.cg.shared.global{hint} [$0], [$1], 16, n{', $4' if policy is not None else ''}; }}",
         side_effects=True, loc=loc, ip=ip,
     )  # fmt: skip
 
@@ -94,14 +96,14 @@ def sts_b16(addr, w, *, loc=None, ip=None):
 
 # ---------------------------------------------------------------- stage fill
 def issue_rows(stage, src0, src_pitch: int, first_row: int, n_rows: int, tid, threads: int, enable,
-               live_rows=None, swizzled: bool = False):
+               live_rows=None, swizzled: bool = False, policy=None):
     """cp.async ``n_rows`` rows of 128 bytes (row i from ``src0 + i * src_pitch``)
     into ``stage`` rows ``first_row + i`` where ``enable`` (Int32) is nonzero;
     thread ``tid`` takes pieces tid, tid + threads, ..; rows ``i >= live_rows``
     (Int32 >= 1; None: all live) are zero-filled, addressed at row
     ``live_rows - 1`` (nothing is read). ``swizzled``: wgmma's 128-byte swizzled
     layout (flintgen.device.wgmma.core_offset; first_row a multiple of 8),
-    else rows at ROW_STRIDE pitch."""
+    else rows at ROW_STRIDE pitch. ``policy``: cp_async_16's."""
     pieces = n_rows * ROW_PIECES
     for k in range(-(-pieces // threads)):
         q = tid + k * threads
@@ -116,7 +118,7 @@ def issue_rows(stage, src0, src_pitch: int, first_row: int, n_rows: int, tid, th
             dst = stage + Int32(wgmma.core_offset(first_row + i, c))
         else:
             dst = stage + Int32((first_row + i) * ROW_STRIDE + c * 16)
-        cp_async_16(dst, src0 + Int64(src_row) * src_pitch + Int64(c * 16), issue, fill)
+        cp_async_16(dst, src0 + Int64(src_row) * src_pitch + Int64(c * 16), issue, fill, policy)
 
 
 # ---------------------------------------------------------------- fragments

@@ -124,6 +124,8 @@ class QKVDef(KernelDef):
             extra["max_m"] = max_m
         if cfg.l2_prefetch:
             extra["l2_prefetch"] = True
+        if cfg.evict_first:
+            extra["evict_first"] = True
         return Variant.of(
             self.name, **extra, hidden=spec.hidden_size, q_heads=spec.q_heads_per_rank,
             kv_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim,
@@ -199,6 +201,7 @@ class QKVDef(KernelDef):
             "debug": p["debug"], "rows": p["rows"],
             "cluster": p["cluster"], "warps": p["warps"], "prefetch": p["prefetch"],
             "early_dequant": p["early_dequant"], "l2_prefetch": p.get("l2_prefetch", False),
+            "evict_first": p.get("evict_first", False),
             "scale_rows": _roundup(n_rows, 128), "scale_cols": _roundup(p["hidden"] // 16, 4),
             "kv_type": kv.cutlass_type, "kv_elem_bytes": kv.elem_bytes, "kv_fp8": kv.name == "fp8_e4m3",
         }

@@ -98,7 +98,8 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
              max_m=max_m, ctas=target.num_sms, stages=cfg.stages, kv_dtype=spec.kv_cache_dtype)
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
-                          ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1)):
+                          ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1),
+                          ("evict_first", False)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs), at every tile:
@@ -129,7 +130,7 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
-        "tma": plan.tma, "splits": plan.splits, "cluster": plan.cluster, "slice_values": plan.slice_values,
+        "tma": plan.tma, "evict_first": p.get("evict_first", False), "splits": plan.splits, "cluster": plan.cluster, "slice_values": plan.slice_values,
         "recv_bytes": plan.recv_bytes, "unit_steps": plan.unit_steps, "slice_tokens": plan.slice_tokens,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
         "has_qk_norm": p["qk_norm"], "norm_offset": p["norm_offset"], "rope_dim": lanes.rope_dim,
