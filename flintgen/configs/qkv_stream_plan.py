@@ -233,8 +233,8 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       and -0.60 / -0.19 us; the TMA ring was not faster).
     * Every streaming tile copies its weights with the L2 evict-first policy
       (``evict_first``): read once, they leave L2 before what the step reads
-      again (x, the residual, xn, the next launch's data). qkv_evict.md,
-      H100, 3 runs with a control, steps at M = 1 / 8 / 16 / 64: hidden 4096
+      again (x, the residual, xn, the next launch's data). qkv_evict.md
+      run 1, H100, 3 runs with a control, steps at M = 1 / 8 / 16 / 64: hidden 4096
       32/8 19.56 / 19.84 / 20.48 / 22.72 -> 18.77 / 19.04 / 19.39 / 22.35 us
       (GEMV -0.37 / -0.41 / -1.06 / -0.77); hidden 2048 at 16 tokens 10.26 ->
       9.48 (GEMV level), at 64 12.02 -> 12.14 (within the spread; GEMV
@@ -243,12 +243,12 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
     * With those reads the 8-token tile's ring of two-step units keeps
       STREAM_L2_PREFETCH_8 = 1 unit prefetched into L2 ahead of its copies
       (``l2_prefetch``; before the grid wait, the unit after the copied
-      ones), up to hidden STREAM_L2_PREFETCH_MAX_HIDDEN (qkv_evict.md run 3,
+      ones), up to hidden STREAM_L2_PREFETCH_MAX_HIDDEN (qkv_evict.md run 4,
       H100, 3 runs with a control, hidden 4096 32/8 at M = 1 / 2 / 4 / 8:
       GEMV 18.20 / 18.25 / 18.25 / 18.35 -> 16.49 / 16.51 / 16.51 / 16.55
       us, 99 % of the floor; steps 19.34 / 19.35 / 19.45 / 19.55 -> 17.72 /
       17.78 / 17.86 / 18.12; 2 units ahead -1.2 to -1.3 us, 4 level; at 16
-      and 64 tokens 2 and 8 units ahead were 0.5-13 us slower, run 2).
+      and 64 tokens 2 and 8 units ahead made the step 0.1-14 us slower, run 3).
       Larger hidden sizes were not measured (before evict-first reads the L2
       prefetch cost 2-18 us there) and keep none."""
     cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)

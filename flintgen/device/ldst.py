@@ -25,17 +25,10 @@ from flintgen.device.ptx import _asm, _ldg_or_zero, lds_f32x4  # noqa: F401 (re-
 # ``policy`` (Int64 from evict_first_policy, or None): the L2 eviction policy of the
 # read (ld's plain .L2::evict_first needs 256-bit loads; the cache hint takes any).
 def _weight_load(ty, n: int, op: str, addr, pred, policy, loc, ip):
-    if policy is None:
-        return _ldg_or_zero(ty, n, op, addr, pred, loc, ip)
-    op = op.replace(".L1::no_allocate", ".L1::no_allocate.L2::cache_hint") if ".L1::" in op else \
-        op.replace("ld.global", "ld.global.L2::cache_hint")
-    dst = "{" + ", ".join(f"${i}" for i in range(n)) + "}" if n > 1 else "$0"
-    zeros = " ".join(f"mov.b32 ${i}, 0;" for i in range(n))
-    return _asm(
-        [ty] * n, [(Int64, addr), (Int32, pred), (Int64, policy)],
-        f"{{ .reg .pred p; setp.ne.s32 p, ${n + 1}, 0; {zeros}\n@p {op} {dst}, [${n}], ${n + 2}; }}",
-        side_effects=True, loc=loc, ip=ip,
-    )
+    if policy is not None:   # PTX order: the L1 priority, then the L2 hint
+        op = op.replace(".L1::no_allocate", ".L1::no_allocate.L2::cache_hint") if ".L1::" in op else \
+            op.replace("ld.global", "ld.global.L2::cache_hint")
+    return _ldg_or_zero(ty, n, op, addr, pred, loc, ip, policy)
 
 
 @dsl_user_op

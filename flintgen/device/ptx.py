@@ -75,14 +75,17 @@ def ldg_cg_f32x4(addr, *, loc=None, ip=None):
     )  # fmt: skip
 
 
-def _ldg_or_zero(ty, n: int, op: str, addr, pred, loc, ip):
+def _ldg_or_zero(ty, n: int, op: str, addr, pred, loc, ip, policy=None):
     """``n`` 32-bit values of ``ty`` loaded by ``op`` (e.g. ``ld.global.v4.f32``),
-    zeros where ``pred`` (Int32) is 0, and then no access at all."""
+    zeros where ``pred`` (Int32) is 0, and then no access at all. ``policy``
+    (Int64, a ``createpolicy`` result, or None): ``op`` carries ``.L2::cache_hint``
+    and reads with that L2 policy."""
     dst = "{" + ", ".join(f"${i}" for i in range(n)) + "}" if n > 1 else "$0"
     zeros = " ".join(f"mov.b32 ${i}, 0;" for i in range(n))
+    hint, ops = ("", []) if policy is None else (f", ${n + 2}", [(Int64, policy)])
     return _asm(
-        [ty] * n, [(Int64, addr), (Int32, pred)],
-        f"{{ .reg .pred p; setp.ne.s32 p, ${n + 1}, 0; {zeros}\n@p {op} {dst}, [${n}]; }}",
+        [ty] * n, [(Int64, addr), (Int32, pred)] + ops,
+        f"{{ .reg .pred p; setp.ne.s32 p, ${n + 1}, 0; {zeros}\n@p {op} {dst}, [${n}]{hint}; }}",
         side_effects=True, loc=loc, ip=ip,
     )
 
