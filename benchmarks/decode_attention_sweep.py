@@ -37,21 +37,23 @@ def _release_pair(spec, batch, window):
 
 
 def _rows():
-    """Run 22: the one fp8 row issue 17 still loses at the median (64/8 d128 B = 128 x 8k, 1024 pairs: one split,
-    two 4-warp CTAs per SM, 3.9 waves of equal CTAs). Whether the run-to-run spread is the machine's (run 20: XQA-fp8
-    drifted 28 us over 8 passes too) or the kernel's last partial wave: the op's config against 2 and 4 splits per
-    pair (finer tail, 7.8 / 15.5 waves, a merge per pair), p10-p90 of every pass's replays printed beside its
-    median (gpu_run.sh sweep-fp8-row samples clocks, power and temperatures meanwhile)."""
+    """Run 23: the K/V slices read with the L2 evict-first policy (``kv_evict_first``) against the op's config, on
+    the goal rows the decode issue still misses (16/2 B = 1 x 1k <= 4 us, B = 8 x 8k <= 19 us, 64/8 B = 32 window
+    128 <= 6 us) and the two bandwidth rows (B = 128 x 8k), bf16; ``--rotate``: caches rotated beyond L2 as the
+    --fp8 rows rotate theirs. Each slice is read once per launch; evict-first keeps L2 for what is read again: the
+    split partials the merge reads back, block tables, q. (Run 22's question, the fp8 64/8 B = 128 row's spread,
+    is in results/decode_attention_sweep.md.)"""
     from dataclasses import replace as rp
 
     from benchmarks.decode_attention import GOAL_ROWS
 
-    wide = GOAL_ROWS[7][0].replace(kv_cache_dtype="fp8_e4m3")
-    op, _ = _release_pair(wide, 128, None)
-    cands = [op, rp(op, num_splits=2), rp(op, num_splits=4)]
-    return {"fp8 64/8 d128 B=128 L=8k": (wide, 128, 8192, None, cands)}
-
-
+    rows = {}
+    for spec, batch, L, window, _, _ in (GOAL_ROWS[0], GOAL_ROWS[2], GOAL_ROWS[4], GOAL_ROWS[6], GOAL_ROWS[7]):
+        op, _ = _release_pair(spec, batch, window)
+        name = f"{spec.q_heads_per_rank}/{spec.kv_heads_per_rank} B={batch} L={L // 1024}k" + (
+            f" w{window}" if window else "")
+        rows[name] = (spec, batch, L, window, [op, rp(op, kv_evict_first=True)])
+    return rows
 ROWS = _rows()
 
 
@@ -88,6 +90,9 @@ def build(shard: int = 0, shards: int = 1):
         print("built", row, cfg, flush=True)
 
 
+ROTATE_BF16 = False   # --rotate: bf16 caches rotated beyond L2 (_case)
+
+
 def time_all(only: str = "", passes: int = 0, xqa: bool = False):
     from benchmarks.harness import time_graph
 
@@ -111,9 +116,9 @@ def time_all(only: str = "", passes: int = 0, xqa: bool = False):
                   flush=True)
 
 
-def _case(spec, batch, L, window, rotate_bf16=False):
-    """The row's inputs: e4m3 caches rotated as --fp8 rotates them (beyond L2), else bf16 ones (``rotate_bf16``:
-    as many copies as an e4m3 row of the spec would rotate, else one)."""
+def _case(spec, batch, L, window, rotate_bf16=None):
+    """The row's inputs: e4m3 caches rotated as --fp8 rotates them (beyond L2), else bf16 ones (``rotate_bf16``,
+    None: ROTATE_BF16, --rotate: as many copies as an e4m3 row of the spec would rotate, else one)."""
     import torch
 
     from benchmarks.decode_attention import Case, Fp8Case, fp8_copies
@@ -121,7 +126,8 @@ def _case(spec, batch, L, window, rotate_bf16=False):
     copies = fp8_copies(spec, batch, L, window, torch.cuda.get_device_properties(0).L2_cache_size)
     if spec.kv_cache_dtype == "fp8_e4m3":
         return Fp8Case(spec.replace(kv_cache_dtype="bf16"), batch, [L] * batch, window, copies=copies)
-    return Case(spec, batch, [L] * batch, window, copies=copies if rotate_bf16 else 1)
+    rotate = ROTATE_BF16 if rotate_bf16 is None else rotate_bf16
+    return Case(spec, batch, [L] * batch, window, copies=copies if rotate else 1)
 
 
 def _candidate_fn(case, spec):
@@ -189,7 +195,9 @@ if __name__ == "__main__":
     ap.add_argument("--passes", type=int, default=0,
                     help="time every candidate once per pass, interleaved, and print each pass (else the best of 3)")
     ap.add_argument("--xqa", action="store_true", help="with --passes: XQA-fp8 as one more candidate of fp8 rows")
+    ap.add_argument("--rotate", action="store_true", help="bf16 caches rotated beyond L2 (as --fp8 rotates e4m3 ones)")
     a = ap.parse_args()
+    ROTATE_BF16 = a.rotate
     if a.build:
         build(*map(int, a.shard.split("/")))
     else:

@@ -30,9 +30,12 @@
 #                                               # compute-sanitizer's four tools over its first shape
 #   bash benchmarks/gpu_run.sh sweep            # decode config sweep (best of 3)
 #   bash benchmarks/gpu_run.sh sweep-passes     # the same, 8 interleaved passes, XQA-fp8 beside the fp8 rows
-#   bash benchmarks/gpu_run.sh sweep-fp8-row    # sweep run 22 (the fp8 64/8 B=128 row), 16 interleaved passes with
-#                                               # XQA-fp8, clocks / power / temperatures sampled ($OUT/smi.csv),
-#                                               # then that row of the fp8 table (FP8_RUNS runs) on the warm machine
+#   bash benchmarks/gpu_run.sh sweep-fp8-row    # 16 interleaved passes with XQA-fp8 (written for sweep run 22,
+#                                               # the fp8 64/8 B=128 row), clocks / power / temperatures sampled
+#                                               # ($OUT/smi.csv), then that row of the fp8 table (FP8_RUNS runs)
+#   bash benchmarks/gpu_run.sh sweep-kv-evict   # sweep run 23: K/V read evict-first on the decode goal rows, 5
+#                                               # interleaved passes, caches rotated beyond L2; then the option's
+#                                               # GPU tests and compute-sanitizer's four tools over the first
 #   bash benchmarks/gpu_run.sh qkv-fp8-ablation # what the QKV step's fp8 write costs, variant by variant, 5 runs
 #   bash benchmarks/gpu_run.sh decode-step      # examples/decode_step.py at B = 8 and 64 (issue 18 item 6)
 #   bash benchmarks/gpu_run.sh qkv-timeline     # per-CTA stamps of the RMSNorm + QKV step and the GEMV alone
@@ -115,6 +118,9 @@ for what in "$@"; do
                    tests/test_decode_attention_grid.py tests/test_decode_attention_fp8.py -k "cluster_sizes and 0" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
+        sweep-kv-evict) python3 -m benchmarks.decode_attention_sweep --passes 5 --rotate 2>&1 | tee "$OUT/sweep.md" | tail -12
+               bash tools/sanitize.sh kv_evict "${KV_EVICT_LIMIT:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                   tests/test_decode_attention_shapes.py -k kv_evict_first_gpu ;;
         sweep-fp8-row) q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory
                nvidia-smi --query-gpu=$q,clocks_event_reasons.active --format=csv,noheader -lms 100 > "$OUT/smi.csv" 2>&1 &
                smi=$!; sleep 1

@@ -417,12 +417,13 @@ def _ptx(gmem):
     p.sts_i32 = lambda addr, v: _smem_write(int(addr), np.int32, [v])
     p.smem_addr = lambda ptr: ptr.addr
 
-    def bulk_copy(dst, src, mbar, n):
+    def bulk_copy(dst, src, mbar, n, policy=None):   # the L2 policy changes no value
         n = int(n)
         _smem_write(int(dst), np.uint8, gmem.read(int(src), np.uint8, n))
         _mbar(int(mbar)).complete(n)
 
     p.bulk_copy_g2s = bulk_copy
+    p.evict_first_policy = lambda: 0
     p.mapa = lambda addr, rank: (int(addr) & ((1 << _RANK_SHIFT) - 1)) | ((int(rank) + 1) << _RANK_SHIFT)
     p.st_cluster_f32x4 = lambda addr, a, b, c, d: _smem_write(int(addr), np.float32, [a, b, c, d])
     p.st_cluster_f32 = lambda addr, a: _smem_write(int(addr), np.float32, [a])

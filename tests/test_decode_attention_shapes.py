@@ -384,6 +384,66 @@ def test_emulated_merge_by_several_ctas(monkeypatch, gqa, head_dim, warps, split
     case.check(out, f"emulated merge_ctas={merge} merge_from={merge_from} {cfg.as_params()} lens={lens}")
 
 
+# K/V slices read with the L2 evict-first policy (DecodeAttentionConfig.kv_evict_first; selected by no rule):
+# a split merge by one CTA and by several, the two-tile GQA 16
+EVICT_CASES = [(8, 128, 8, 8, 1, 0, [16 * 8 * 8 + 5, 16 * 8 * 3, 0, 1]),
+               (16, 64, 4, 5, 4, 0, [16 * 4 * 5 + 1, 16 * 4 * 2])]
+
+
+def _evict_cfg(gqa, head_dim, warps, splits, merge, merge_from):
+    return dac.DecodeAttentionConfig(splits, warps, 2, 1, False, 0, head_dim, gqa, merge_ctas=merge,
+                                     merge_from=merge_from, kv_evict_first=True)
+
+
+def test_kv_evict_first_names_the_binary_and_its_template():
+    """kv_evict_first: a bool, in the params (and the binary's name) only when set, rendered as KV_EVICT_FIRST."""
+    with pytest.raises(TypeError, match=r"DecodeAttentionConfig.kv_evict_first = 1 must be a bool"):
+        dac.DecodeAttentionConfig(1, 4, 2, 1, False, 2, kv_evict_first=1)
+    off = dac.DecodeAttentionConfig(4, 4, 2, 1, False, 0)
+    on = dac.DecodeAttentionConfig(4, 4, 2, 1, False, 0, kv_evict_first=True)
+    assert "kv_evict_first" not in off.as_params() and on.as_params()["kv_evict_first"] is True
+    spec = shape_spec(8, 128, 16, kv=2)
+    for cfg, flag in ((off, False), (on, True)):
+        v = _forced_variant(spec, cfg)
+        assert ("-kv_evict_first1-" in v.name) == flag
+        src = codegen.render(v.kernel, KDEF.template, dict(KDEF.render_params(spec, v)))
+        assert f"KV_EVICT_FIRST = {flag}" in src
+
+
+def _forced_variant(spec, cfg):
+    from flintgen.kernels import decode_attention as da
+
+    return da._variant(spec, False, cfg)
+
+
+@pytest.mark.compile
+def test_kv_evict_first_compiles_clean():
+    """Every K/V bulk copy carries the evict-first cache hint; the default binary has none."""
+    from flintgen.runtime import load_variant
+
+    spec = shape_spec(8, 128, 16, kv=2)
+    cfg = _evict_cfg(*EVICT_CASES[0][:6])
+    for c, hinted in ((cfg, True), (dac.DecodeAttentionConfig(**{**cfg.__dict__, "kv_evict_first": False}), False)):
+        v = _forced_variant(spec, c)
+        load_variant(KDEF, spec, v, T132)
+        ptx = check_compiled(KDEF, spec, v, T132)[1]
+        copies = [ln for ln in ptx.splitlines() if "cp.async.bulk.shared::cluster.global" in ln]
+        assert copies and all((".L2::cache_hint" in ln) == hinted for ln in copies), copies
+        assert ("createpolicy.fractional.L2::evict_first.b64" in ptx) == hinted
+
+
+@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, merge_from, lens", EVICT_CASES, ids=lambda x: None)
+def test_emulated_kv_evict_first(monkeypatch, gqa, head_dim, warps, splits, merge, merge_from, lens):
+    """The evict-first copies' code path computes what the default one does (the emulator copies the bytes)."""
+    cfg = _evict_cfg(gqa, head_dim, warps, splits, merge, merge_from)
+    monkeypatch.setattr(dac, "launch_config", lambda **kw: cfg)
+    spec = shape_spec(gqa, head_dim, 16, kv=2, max_batch=len(lens)).replace(name=f"evict-g{gqa}-d{head_dim}")
+    case = Case(spec, lens, None, seed=sum(lens), device="cpu")
+    out = case.poisoned_out()
+    EmulatedOp(spec)(*case.args(out))
+    case.check(out, f"emulated kv_evict_first {cfg.as_params()} lens={lens}")
+
+
 def test_emulator_refuses_a_device_module_it_does_not_load():
     """A kernel importing a device module the emulator does not run against its
     mocks is refused (it would run the real cute module, or JIT it from the
@@ -541,6 +601,40 @@ def test_merge_by_several_ctas_gpu(monkeypatch, gqa, head_dim, warps, splits, me
         graph.replay()
         if it % 8 == 0 or it == 39:
             case.check(out, f"merge_ctas={merge} graph replay {it} lens={new}")
+    torch.cuda.synchronize()
+    ws = op._workspaces[torch.device("cuda", torch.cuda.current_device())]
+    assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa, head_dim, warps, splits, merge, merge_from, lens", EVICT_CASES, ids=lambda x: None)
+def test_kv_evict_first_gpu(monkeypatch, gqa, head_dim, warps, splits, merge, merge_from, lens):
+    """K/V read with the L2 evict-first policy: eager, then a graph replayed with lengths and block tables
+    changed in place (0, 1, 17 tokens, partial and full contexts); counters end at 0."""
+    import flintgen
+
+    cfg = _evict_cfg(gqa, head_dim, warps, splits, merge, merge_from)
+    monkeypatch.setattr(dac, "launch_config", lambda **kw: cfg)
+    spec = shape_spec(gqa, head_dim, 16, kv=2, max_batch=len(lens)).replace(
+        name=f"gpu-evict-g{gqa}-d{head_dim}-s{splits}-m{merge}")
+    op = flintgen.get_kernel(spec, "decode_attention")
+    width = -(-max(lens) // 16)
+    case = Case(spec, [width * 16] * len(lens), None, seed=sum(lens), extra_cols=0)
+    rnd = random.Random(splits * 100 + merge)
+    out = case.poisoned_out()
+    refill(case, rnd, lens)
+    out.fill_(float("nan"))
+    op(*case.args(out))
+    case.check(out, f"kv_evict_first eager {lens}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(*case.args(out))
+    for it in range(12):
+        new = [rnd.choice([0, 1, 17, rnd.randint(1, width * 16), width * 16]) for _ in lens]
+        refill(case, rnd, new)
+        out.fill_(float("nan"))
+        graph.replay()
+        case.check(out, f"kv_evict_first graph replay {it} lens={new}")
     torch.cuda.synchronize()
     ws = op._workspaces[torch.device("cuda", torch.cuda.current_device())]
     assert int(ws.counters.abs().sum()) == 0

@@ -8,7 +8,8 @@ PART is given; ``qkv-configs``: tests/test_qkv.py's other launch configs and tes
 specs; and ``qkv:NAME,NAME..``: what ``flintgen.get_kernel(SPECS[NAME], "qkv")`` loads for
 tests/test_qkv.py's SPECS (the production op's every token tile, with and without debug, and its RMSNorm), for the
 GPU tests of tests/test_qkv.py, test_qkv_tokens.py and test_qkv_fp8.py (a Pair needs NAME and NAME_fp8; NAME_t64,
-where SPECS has no such name, is SPECS[NAME] with max_tokens 64).
+where SPECS has no such name, is SPECS[NAME] with max_tokens 64); ``kv-evict``: test_decode_attention_shapes'
+test_kv_evict_first_gpu (its forced configs).
 
 (``python tests/test_qkv_stream.py --prebuild DIR`` covers the streaming tests' whole set; the decode tests'
 fixtures build theirs on a GPU machine with the DSL.)
@@ -85,13 +86,27 @@ def plan(parts=PARTS):
                     op = attn.bind(spec, t, grid._no_load)
                     for b in batches:
                         add(attn, spec, op._variants[True][b])
+        elif part == "kv-evict":   # test_kv_evict_first_gpu (branch kv-evict): each case's forced config
+            import test_decode_attention_shapes as shp
+            from flintgen.configs import decode_attention_config as dac
+
+            real = dac.launch_config
+            for gqa, d, w, s, m, mf, lens in shp.EVICT_CASES:
+                cfg = shp._evict_cfg(gqa, d, w, s, m, mf)
+                spec = shp.shape_spec(gqa, d, 16, kv=2, max_batch=len(lens))
+                dac.launch_config = lambda **kw: cfg
+                try:
+                    for v in attn.variants(spec, t):
+                        add(attn, spec, v)
+                finally:
+                    dac.launch_config = real
         elif part == "ab-tests":
             for cfg, _, max_tokens in stream.CONFIGS:   # ab-tests' and ab-sanitize's -k: ids holding gt or l
                 if "gt" in stream._cfg_id(cfg) or "l" in stream._cfg_id(cfg):
                     add_tiles(stream._ring_spec(max_tokens)[1], token_tiles(max_tokens), cfg)
             add_other_configs(lambda cfg: cfg.l2_prefetch)   # the cluster design with L2 prefetch (Case.run: debug)
         else:
-            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, qkv-configs, stream-fp8 or "
+            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, qkv-configs, stream-fp8, kv-evict or "
                              "qkv:NAME,NAME..")
         if part == "ab-tests":   # graph replay / back to back [tma], and their warmup
             for name in ("bf16_4096", "flint_bf16"):

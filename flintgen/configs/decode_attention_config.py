@@ -105,8 +105,15 @@ class DecodeAttentionConfig:
     # (16/2 B=8 window 128, 4-CTA clusters: bf16 3.22 -> 3.32, fp8 3.32 ->
     # 3.71): their peers must all be resident before any DSMEM store.
     early_release: bool | None = None
+    # Bulk-copy the K/V slices with the L2 evict-first policy: each is read
+    # once per launch, so it leaves L2 before what is read again (the split
+    # partials the merge reads back, block tables, q, the next layer's
+    # weights). Not measured yet: selected by no rule.
+    kv_evict_first: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_evict_first, bool):
+            raise TypeError(f"DecodeAttentionConfig.kv_evict_first = {self.kv_evict_first!r} must be a bool")
         if self.early_release is None:
             object.__setattr__(self, "early_release", not self.cluster)
         if self.num_warps not in (4, 8):
@@ -211,7 +218,9 @@ class DecodeAttentionConfig:
         return {"num_splits": self.num_splits, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "min_pages": self.min_pages,
                 "cluster": self.cluster, "ctas_per_sm": self.ctas_per_sm, "merge_ctas": self.merge_ctas,
-                "merge_from": self.merge_from, "early_release": self.early_release}
+                "merge_from": self.merge_from, "early_release": self.early_release,
+                # the default stays out of the params (and the names of the binaries built before it)
+                **({"kv_evict_first": True} if self.kv_evict_first else {})}
 
 
 def check_supported(*, head_dim: int, gqa: int, page_size: int, kv_dtype: str = "bf16") -> None:

@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from flintgen.device import ptx
-from flintgen.device.ptx import _asm, _ldg_or_zero, lds_f32x4  # noqa: F401 (re-exported)
+from flintgen.device.ptx import _asm, _ldg_or_zero, evict_first_policy, lds_f32x4  # noqa: F401 (re-exported)
 
 
 # ---------------------------------------------------------------- global
@@ -29,12 +29,6 @@ def _weight_load(ty, n: int, op: str, addr, pred, policy, loc, ip):
         op = op.replace(".L1::no_allocate", ".L1::no_allocate.L2::cache_hint") if ".L1::" in op else \
             op.replace("ld.global", "ld.global.L2::cache_hint")
     return _ldg_or_zero(ty, n, op, addr, pred, loc, ip, policy)
-
-
-@dsl_user_op
-def evict_first_policy(*, loc=None, ip=None):
-    """An L2 cache policy (Int64) for reads whose lines L2 evicts first (read once, dead after)."""
-    return _asm([Int64], [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -62,9 +62,12 @@ EB8 = kv_dtype("fp8_e4m3").elem_bytes
 
 
 @cute.jit
-def issue_page(kv_head, page_stride, blk, dst, mbar, lane, NBYTES: cutlass.Constexpr):
+def issue_page(kv_head, page_stride, blk, dst, mbar, lane, NBYTES: cutlass.Constexpr,
+               EVICT_FIRST: cutlass.Constexpr = False):
     """Lane 0 bulk-copies the slice at ``kv_head + blk * page_stride`` into
-    the slot at shared address ``dst``, completing ``NBYTES`` on ``mbar``.
+    the slot at shared address ``dst``, completing ``NBYTES`` on ``mbar``;
+    ``EVICT_FIRST``: read with the L2 evict-first policy (each slice is read
+    once per launch).
 
     ``kv_head``: global byte address of ``kv[0, kv_head]`` (plus the slice's
     offset inside its page when pages hold several slices); ``page_stride``:
@@ -72,8 +75,11 @@ def issue_page(kv_head, page_stride, blk, dst, mbar, lane, NBYTES: cutlass.Const
     """
     if lane == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, NBYTES)
+        policy = None
+        if cutlass.const_expr(EVICT_FIRST):
+            policy = ptx.evict_first_policy()
         ptx.bulk_copy_g2s(
-            dst, kv_head + Int64(blk) * page_stride, ptx.smem_addr(mbar), Int32(NBYTES)
+            dst, kv_head + Int64(blk) * page_stride, ptx.smem_addr(mbar), Int32(NBYTES), policy
         )
 
 

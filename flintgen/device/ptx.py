@@ -259,13 +259,22 @@ def smem_addr(ptr, *, loc=None, ip=None):
 
 # ---------------------------------------------------------------- bulk copy (TMA)
 @dsl_user_op
-def bulk_copy_g2s(dst_smem, src_gmem, mbar_smem, nbytes, *, loc=None, ip=None):
-    """1-D bulk copy global -> shared completing ``nbytes`` on an mbarrier."""
+def bulk_copy_g2s(dst_smem, src_gmem, mbar_smem, nbytes, policy=None, *, loc=None, ip=None):
+    """1-D bulk copy global -> shared completing ``nbytes`` on an mbarrier.
+    ``policy`` (Int64 from evict_first_policy, or None): the L2 policy of the read."""
+    hint, ops = ("", []) if policy is None else (".L2::cache_hint", [(Int64, policy)])
     _asm(
-        [], [(Uint32, dst_smem), (Int64, src_gmem), (Int32, nbytes), (Uint32, mbar_smem)],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        [], [(Uint32, dst_smem), (Int64, src_gmem), (Int32, nbytes), (Uint32, mbar_smem)] + ops,
+        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes{hint} [$0], [$1], $2, [$3]"
+        f"{', $4' if policy is not None else ''};",
         side_effects=True, loc=loc, ip=ip,
     )  # fmt: skip
+
+
+@dsl_user_op
+def evict_first_policy(*, loc=None, ip=None):
+    """An L2 cache policy (Int64) for reads whose lines L2 evicts first (read once, dead after)."""
+    return _asm([Int64], [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------- cluster / DSMEM

@@ -141,7 +141,8 @@ class DecodeAttentionDef(KernelDef):
         p = dict(variant.params)
         cfg = dac.DecodeAttentionConfig(**{k: p[k] for k in (
             "num_splits", "num_warps", "num_stages", "min_pages", "cluster", "ctas_per_sm", "head_dim", "gqa",
-            "merge_ctas", "merge_from", "early_release")}, kv_dtype="fp8_e4m3" if p.get("kv_fp8") else "bf16")
+            "merge_ctas", "merge_from", "early_release")}, kv_dtype="fp8_e4m3" if p.get("kv_fp8") else "bf16",
+            kv_evict_first=p.get("kv_evict_first", False))
         pad = 0
         if cfg.ctas_per_sm:
             pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
@@ -149,6 +150,7 @@ class DecodeAttentionDef(KernelDef):
         p["merge_dims"] = cfg.merge_dims
         p["softcap"] = bool(p.get("softcap", False))
         p["kv_fp8"] = bool(p.get("kv_fp8", False))
+        p["kv_evict_first"] = cfg.kv_evict_first
         lay = cfg.layout
         p.update(slice_tokens=layout.SLICE_TOKENS, slices_per_page=lay.slices_per_page(p["page_size"]),
                  kv_type=layout.kv_dtype(lay.kv_dtype).cutlass_type, kv_elem_bytes=lay.kv_elem_bytes,
