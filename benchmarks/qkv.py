@@ -431,15 +431,14 @@ def stream_main():
                       f"({rows[-1].pct_of_floor:.0f}% of floor)", flush=True)
     print(write_results(mode_plan()[1], rows, bw, "BF16 weights rotate over copies exceeding L2. Floor: weight "
                         "(+ activation) bytes / read bandwidth. Designs: production = what the op picks per token tile "
-                        "(qkv_stream_plan.stream_config: the cluster design, register prefetch with a cluster per head, "
-                        "at M <= 8 below hidden 3072; from 16 tokens, and from 8 at hidden 3072 and more (units "
-                        "of two K steps, 6 stages, where hidden is a multiple of 128, else from 3584 with 8), the "
-                        "streaming design's ring with wgmma, 8 stages at 16 / 32 tokens, 6 at 64; from 16 "
-                        "tokens 2 CTAs per block where that grid is 0.6-1 x the SMs, one cluster reducing through "
-                        "DSMEM, its ring filling shared memory, where a head is one block), stream = the persistent "
-                        "split-K grid with a "
-                        "cp.async ring (configs as labelled: s = stages, g = wgmma, else mma.sync; k = CTAs per "
-                        "block, d = those CTAs one cluster)."))
+                        "(qkv_stream_plan.stream_config: the cluster design at M <= 8 below hidden 3072; else the "
+                        "streaming design's wgmma ring, every tile reading its weights evict-first: at the 8-token "
+                        "tile units of two K steps filling shared memory, one unit prefetched into L2 ahead up to "
+                        "hidden 4096; from 16 tokens two CTAs per block as one cluster reducing through DSMEM, the "
+                        "ring filling shared memory, where that grid is 0.6-1 x the SMs and a head is one block, "
+                        "else 8 stages at 16 / 32 tokens and 6 at 64), stream = a configuration as labelled "
+                        "(s = stages, g = wgmma, else mma.sync; l = units prefetched into L2; k = CTAs per block, "
+                        "d = those CTAs one cluster; u = K steps per unit; e = evict-first reads)."))
 
 
 def main():
