@@ -591,16 +591,23 @@ def test_merge_by_several_ctas_gpu(monkeypatch, gqa, head_dim, warps, splits, me
         out.fill_(float("nan"))
         op(*case.args(out))
         case.check(out, f"merge_ctas={merge} eager {first}")
+    _replay_with_changed_lens(op, case, out, rnd, width, len(lens), 40, f"merge_ctas={merge}", check_every=8)
+
+
+def _replay_with_changed_lens(op, case, out, rnd, width, n, iters, label, check_every=1):
+    """Capture ``op`` on ``case`` in a CUDA graph, then replay it ``iters`` times with ``n`` lengths and the block
+    tables changed in place (0, 1, 17 tokens, partial and full contexts of ``width`` pages), ``out`` NaN-poisoned
+    before each, checked every ``check_every``-th replay and the last; the workspace counters end at 0."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         op(*case.args(out))
-    for it in range(40):
-        new = [rnd.choice([0, 1, 17, rnd.randint(1, width * 16), width * 16]) for _ in lens]
+    for it in range(iters):
+        new = [rnd.choice([0, 1, 17, rnd.randint(1, width * 16), width * 16]) for _ in range(n)]
         refill(case, rnd, new)
         out.fill_(float("nan"))
         graph.replay()
-        if it % 8 == 0 or it == 39:
-            case.check(out, f"merge_ctas={merge} graph replay {it} lens={new}")
+        if it % check_every == 0 or it == iters - 1:
+            case.check(out, f"{label} graph replay {it} lens={new}")
     torch.cuda.synchronize()
     ws = op._workspaces[torch.device("cuda", torch.cuda.current_device())]
     assert int(ws.counters.abs().sum()) == 0
@@ -626,18 +633,7 @@ def test_kv_evict_first_gpu(monkeypatch, gqa, head_dim, warps, splits, merge, me
     out.fill_(float("nan"))
     op(*case.args(out))
     case.check(out, f"kv_evict_first eager {lens}")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op(*case.args(out))
-    for it in range(12):
-        new = [rnd.choice([0, 1, 17, rnd.randint(1, width * 16), width * 16]) for _ in lens]
-        refill(case, rnd, new)
-        out.fill_(float("nan"))
-        graph.replay()
-        case.check(out, f"kv_evict_first graph replay {it} lens={new}")
-    torch.cuda.synchronize()
-    ws = op._workspaces[torch.device("cuda", torch.cuda.current_device())]
-    assert int(ws.counters.abs().sum()) == 0
+    _replay_with_changed_lens(op, case, out, rnd, width, len(lens), 12, "kv_evict_first")
 
 
 PADDED_PLAN = [(128, 3), (None, 3), (None, 24)]
