@@ -262,11 +262,10 @@ def smem_addr(ptr, *, loc=None, ip=None):
 def bulk_copy_g2s(dst_smem, src_gmem, mbar_smem, nbytes, policy=None, *, loc=None, ip=None):
     """1-D bulk copy global -> shared completing ``nbytes`` on an mbarrier.
     ``policy`` (Int64 from evict_first_policy, or None): the L2 policy of the read."""
-    hint, ops = ("", []) if policy is None else (".L2::cache_hint", [(Int64, policy)])
+    hint, tail, ops = ("", "", []) if policy is None else (".L2::cache_hint", ", $4", [(Int64, policy)])
     _asm(
         [], [(Uint32, dst_smem), (Int64, src_gmem), (Int32, nbytes), (Uint32, mbar_smem)] + ops,
-        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes{hint} [$0], [$1], $2, [$3]"
-        f"{', $4' if policy is not None else ''};",
+        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes{hint} [$0], [$1], $2, [$3]{tail};",
         side_effects=True, loc=loc, ip=ip,
     )  # fmt: skip
 
