@@ -86,7 +86,7 @@ def plan(parts=PARTS):
                     op = attn.bind(spec, t, grid._no_load)
                     for b in batches:
                         add(attn, spec, op._variants[True][b])
-        elif part == "kv-evict":   # test_kv_evict_first_gpu (branch kv-evict): each case's forced config
+        elif part == "kv-evict":   # test_kv_evict_first_gpu: each case's forced config
             import test_decode_attention_shapes as shp
             from flintgen.configs import decode_attention_config as dac
 
