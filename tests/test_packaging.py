@@ -68,7 +68,7 @@ _DECOY = textwrap.dedent("""
     assert resources.template_dir() == os.path.join(sys.argv[1], "flintgen", "templates")
     src = codegen.render("rms_norm", "rms_norm.py.j2", {"hidden": 2048, "has_residual": True,
                                                          "threads": 256, "vec_per_thread": 1,
-                                                         "rows_per_cta": 1, "norm_weight_offset": 0})
+                                                         "norm_weight_offset": 0})
     assert "DECOY" not in src and "HIDDEN = 2048" in src
     os.environ.pop("FLINTGEN_CACHE_DIR", None)
     os.environ["XDG_CACHE_HOME"] = sys.argv[2]
