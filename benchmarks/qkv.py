@@ -246,29 +246,6 @@ class ProductionVariantDef(QKVDef):
         return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0, evict_first=evict)
 
 
-class NormRowsDef(QKVDef):
-    """The op's own QKV binaries, the step's RMSNorm taking up to ``rows`` rows per CTA (``RMSNormDef(rows)``;
-    label R<rows>)."""
-
-    def __init__(self, rows: int):
-        super().__init__()
-        self.norm_rows = rows
-
-    def norm_def(self):
-        from flintgen.kernels.rms_norm import RMSNormDef
-
-        return RMSNormDef(self.norm_rows)
-
-
-def stream_op(kd, spec, target, cfg):
-    """A QKVOp of ``kd`` (its RMSNorm too where ``kd`` is a NormRowsDef)."""
-    op = QKVOp(kd, spec, target, lambda v: load_variant(kd, spec, v, target)[0], config=cfg)
-    if isinstance(kd, NormRowsDef):   # render_params of the registered def reads the variant's rows
-        rms = flintgen.kernels.get_def("rms_norm")
-        op._norm = kd.norm_def().bind(spec, target, lambda v: load_variant(rms, spec, v, target)[0])
-    return op
-
-
 def stream_configs():
     """--stream: (label, config, kernel def) of the designs timed per M. ``--configs w2,s6,w2s6,p3c2,s6g,L,L8,T,TL``
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
@@ -278,7 +255,7 @@ def stream_configs():
     with the L2 evict-first policy) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units
     of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8) and / or, last, the weights read
     with the L2 evict-first policy or not (E, N, LE, L8N; without either, the op's own policy; ProductionVariantDef),
-    R<n>: the op's own QKV binaries with the step's RMSNorm taking up to n rows per CTA, and P: the op's own binaries again through an op of their own, timed where P stands in the list (a control:
+    and P: the op's own binaries again through an op of their own, timed where P stands in the list (a control:
     what two timings of identical binaries differ by in one process, 0.7 us in the step once,
     qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring filling shared memory. A config a spec
     cannot take (its plan refuses the shape) is skipped on that spec, with a line saying why (``usable``)."""
@@ -291,10 +268,6 @@ def stream_configs():
         for c in sys.argv[sys.argv.index("--configs") + 1].split(","):
             if c == "P":
                 out.append(("production control", None, KDEF))
-                continue
-            rows = re.fullmatch(r"R(\d+)", c)
-            if rows:   # the step's RMSNorm with up to <n> rows per CTA
-                out.append((f"production {c}", None, NormRowsDef(int(rows.group(1)))))
                 continue
             prod = re.fullmatch(r"(T)?(?:L(\d*))?([EN])?", c)
             if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units), E / N: evict-first
@@ -365,8 +338,6 @@ def prebuild(root):
                  for label, cfg, kd in stream_configs() if (cfg is not None or kd is not KDEF)
                  and usable(s, label, cfg, kd, token_tiles(s.max_tokens), target)
                  for t in token_tiles(s.max_tokens)]
-        todo += [(s, "rms_norm", v) for s in specs for _, _, kd in stream_configs() if isinstance(kd, NormRowsDef)
-                 for v in kd.norm_def().variants(s, target)]
     n = prebuild_into(todo, target, root)
     print(f"prebuilt {len(todo)} variants ({n} entries, listed in prebuilt.txt) into {root}")
 
@@ -420,7 +391,7 @@ def stream_main():
         for label, cfg, kd in stream_configs():
             if not usable(spec, label, cfg, kd, token_tiles(spec.max_tokens), t):
                 continue
-            ops[label] = stream_op(kd, spec, t, cfg)
+            ops[label] = QKVOp(kd, spec, t, lambda v, kd=kd: load_variant(kd, spec, v, t)[0], config=cfg)
             ops[label].warmup(torch.device("cuda"))
         for m in ms:
             lay = Layers(spec, m, weights)

@@ -79,9 +79,9 @@ PATCHES = {
         ("xn, weight, eps\n", "xn, weight, stamps, eps\n", 1),
         ("weight, Float32(1e-6), stream)", f"weight, {FAKE_STAMPS}, Float32(1e-6), stream)", 1),
         (f"{I8}cute.arch.griddepcontrol_launch_dependents()\n",
-         _entry(I8, "row_blk") + f"{I8}cute.arch.griddepcontrol_launch_dependents()\n", 1),
+         _entry(I8, "row") + f"{I8}cute.arch.griddepcontrol_launch_dependents()\n", 1),
         (f"{I8}cute.arch.griddepcontrol_wait()\n", f"{I8}cute.arch.griddepcontrol_wait()\n" + _clk_at(I8, 2), 1),
-        (f"{I8}block_sum_rows(", _clk_at(I8, 3) + f"{I8}block_sum_rows(", 1),
+        (f"{I8}total = block_sum(", _clk_at(I8, 3) + f"{I8}total = block_sum(", 1),
         ("\n\n\ndef compile_args():", "\n" + _exit(I8) + "\n\ndef compile_args():", 1),
     ],
     "cluster": [

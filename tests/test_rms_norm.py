@@ -157,60 +157,6 @@ def _check(out, ref):
     assert (diff <= bf16_ulp(ref)).all(), f"max diff {diff.max().item()} exceeds 1 bf16 ulp"
 
 
-def test_rows_per_cta_rule_and_refusals():
-    """Up to max_rows rows per CTA, fewer where a row takes several vectors per
-    thread (the rows' words stay in registers: at most MAX_ROW_VECS vectors);
-    bad counts refused naming the value."""
-    from flintgen.configs.rms_norm_config import MAX_ROW_VECS, RMSNormConfig
-    from flintgen.kernels.base import Target
-    from flintgen.kernels.rms_norm import RMSNormDef
-
-    assert RMSNormConfig.for_hidden(4096, 8).rows_per_cta == 8
-    assert RMSNormConfig.for_hidden(16384, 8).rows_per_cta == 4      # 2 vectors per thread
-    assert RMSNormConfig.for_hidden(32768, 8).rows_per_cta == 2
-    assert RMSNormConfig.for_hidden(2048).rows_per_cta == 1
-    for h in range(64, 32768 + 1, 16):
-        c = RMSNormConfig.for_hidden(h, 8)
-        assert 1 <= c.rows_per_cta <= 8 and c.rows_per_cta * c.vec_per_thread <= MAX_ROW_VECS, (h, c)
-    with pytest.raises(ValueError, match=r"max_rows = 0: must be a positive int"):
-        RMSNormConfig.for_hidden(2048, 0)
-    with pytest.raises(ValueError, match=r"max_rows = True: must be a positive int"):
-        RMSNormDef(True)
-    with pytest.raises(ValueError, match=r"rows_per_cta = 8 with 2 vectors per thread holds 16 .*take fewer rows"):
-        RMSNormConfig(threads=1024, vec_per_thread=2, rows_per_cta=8)
-    with pytest.raises(ValueError, match=r"RMSNormConfig.threads = 100: must be a multiple of 32"):
-        RMSNormConfig(threads=100, vec_per_thread=1)
-    t = Target("sm_90a", 132)
-    names = [v.name for v in RMSNormDef(8).variants(FLINT, t)]
-    assert names == ["rms_norm-has_residual0-hidden2048-rows_per_cta8", "rms_norm-has_residual1-hidden2048-rows_per_cta8"]
-    big = FLINT.replace(hidden_size=32768)
-    assert [RMSNormDef(8).render_params(big, v)["rows_per_cta"] for v in RMSNormDef(8).variants(big, t)] == [2, 2]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("hidden, rows", [(2048, 8), (4096, 8), (8192, 4), (32768, 2), (896, 3)])
-def test_rows_per_cta_compiles(tmp_cache, sm90, hidden, rows):
-    """Several rows per CTA: no spills, the design's PTX, the weight still
-    loaded before the grid-dependency wait; at most 72 registers (512 threads
-    of it sit beside a QKV CTA)."""
-    from flintgen import cache
-    from flintgen.kernels.rms_norm import RMSNormDef
-
-    d = RMSNormDef(rows)
-    spec = FLINT.replace(hidden_size=hidden)
-    for v in d.variants(spec, sm90):
-        entry = cache.make_entry(v, d.template, dict(d.render_params(spec, v)), sm90, str(tmp_cache))
-        cache.get_or_build(entry)
-        res = cache.read_meta(entry)["resources"]
-        assert res["spill_store_bytes"] == 0 and res["spill_load_bytes"] == 0 and not res["local_memory"], res
-        assert res["registers"] <= 72, res
-        with open(entry.path("kernel.ptx")) as f:
-            ptx = f.read()
-        assert not [p for p in d.required_ptx if p not in ptx]
-        assert ptx.index("ld.global.L1::no_allocate.v4.u32") < ptx.index("griddepcontrol.wait") \
-            < ptx.index("ld.global.v4.u32")
-
-
 def _rand(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
 
@@ -241,45 +187,6 @@ def test_numerics(norm, m, with_residual):
     _check(out, ref)
     if with_residual:
         assert torch.equal(res_out, r), "residual must be bit-exact against torch's bf16 add"
-
-
-def _rows_op(spec, rows):
-    from flintgen import toolchain
-    from flintgen.kernels import get_def
-    from flintgen.kernels.rms_norm import RMSNormDef
-    from flintgen.runtime import load_variant
-
-    t, reg = toolchain.resolve_target(), get_def("rms_norm")
-    return RMSNormDef(rows).bind(spec, t, lambda v: load_variant(reg, spec, v, t)[0])
-
-
-ROWS_CASES = [(2048, 8, m) for m in (1, 7, 8, 9, 17, 64)] + [(4096, 2, 3), (4096, 8, 13), (32768, 8, 5), (896, 3, 7)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hidden, rows, m", ROWS_CASES, ids=[f"h{h}-r{r}-M{m}" for h, r, m in ROWS_CASES])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rows_per_cta_numerics(hidden, rows, m, with_residual):
-    """Several rows per CTA (M not a multiple of them included): bit-identical
-    to the one-row kernel (same per-row sums in the same order) and within
-    1 ulp of the reference; poisoned outputs; the residual in place."""
-    spec = FLINT.replace(hidden_size=hidden)
-    one, many = flintgen.get_kernel(spec, "rms_norm"), _rows_op(spec, rows)
-    gen = torch.Generator().manual_seed(hidden + 100 * m + 10 * rows + with_residual)
-    x = (torch.randn(m, hidden, generator=gen) * 3).bfloat16().cuda()
-    w = (torch.randn(hidden, generator=gen) * 0.5 + 1).bfloat16().cuda()
-    res = (torch.randn(m, hidden, generator=gen) * 3).bfloat16().cuda() if with_residual else None
-    out1, r1 = _run_poisoned(one, x, w, 1e-6, res)
-    out, r = _run_poisoned(many, x, w, 1e-6, res)
-    ref, rr = rms_norm_ref(x, w, 1e-6, res)
-    _check(out, ref)
-    assert torch.equal(out, out1)
-    if with_residual:
-        assert torch.equal(r, rr) and torch.equal(r1, rr)
-        res2, out2 = res.clone(), torch.full_like(x, float("nan"))
-        many(x, w, 1e-6, res2, out=out2, residual_out=res2)   # in place
-        torch.cuda.synchronize()
-        assert torch.equal(res2, rr) and torch.equal(out2, out1)
 
 
 OFFSET_CASES = [(896, 1, False), (896, 8, True), (2048, 3, True), (3584, 5, False), (16384, 8, True),

@@ -9,7 +9,7 @@ specs; and ``qkv:NAME,NAME..``: what ``flintgen.get_kernel(SPECS[NAME], "qkv")``
 tests/test_qkv.py's SPECS (the production op's every token tile, with and without debug, and its RMSNorm), for the
 GPU tests of tests/test_qkv.py, test_qkv_tokens.py and test_qkv_fp8.py (a Pair needs NAME and NAME_fp8; NAME_t64,
 where SPECS has no such name, is SPECS[NAME] with max_tokens 64); ``kv-evict``: test_decode_attention_shapes'
-test_kv_evict_first_gpu (its forced configs); ``rms-norm``: tests/test_rms_norm.py's.
+test_kv_evict_first_gpu (its forced configs).
 
 (``python tests/test_qkv_stream.py --prebuild DIR`` covers the streaming tests' whole set; the decode tests'
 fixtures build theirs on a GPU machine with the DSL.)
@@ -100,24 +100,13 @@ def plan(parts=PARTS):
                         add(attn, spec, v)
                 finally:
                     dac.launch_config = real
-        elif part == "rms-norm":   # tests/test_rms_norm.py's GPU tests (get_kernel's and several rows per CTA)
-            import test_rms_norm as tr
-            from flintgen.kernels.rms_norm import RMSNormDef
-
-            specs = {h: tr.FLINT.replace(hidden_size=h) for h in {tr.H, 1024} | {h for h, _, _ in tr.ROWS_CASES}}
-            specs.update({(h, 1): tr.FLINT.replace(hidden_size=h, norm_weight_offset=1) for h, _, _ in tr.OFFSET_CASES})
-            for spec in specs.values():
-                add_norm(spec)
-            for h, rows, _ in tr.ROWS_CASES:
-                for v in RMSNormDef(rows).variants(specs[h], t):
-                    add(rms, specs[h], v)
         elif part == "ab-tests":
             for cfg, _, max_tokens in stream.CONFIGS:   # ab-tests' and ab-sanitize's -k: ids holding gt or l
                 if "gt" in stream._cfg_id(cfg) or "l" in stream._cfg_id(cfg):
                     add_tiles(stream._ring_spec(max_tokens)[1], token_tiles(max_tokens), cfg)
             add_other_configs(lambda cfg: cfg.l2_prefetch)   # the cluster design with L2 prefetch (Case.run: debug)
         else:
-            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, qkv-configs, stream-fp8, kv-evict, rms-norm or "
+            raise SystemExit(f"prebuild_gpu_tests: unknown part {part!r}: {', '.join(PARTS)}, qkv-configs, stream-fp8, kv-evict or "
                              "qkv:NAME,NAME..")
         if part == "ab-tests":   # graph replay / back to back [tma], and their warmup
             for name in ("bf16_4096", "flint_bf16"):

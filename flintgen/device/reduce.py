@@ -31,26 +31,3 @@ def block_sum(v: Float32, red_smem, tid, num_warps: cutlass.Constexpr) -> Float3
     for w in cutlass.range_constexpr(1, num_warps):
         total = total + ptx.lds_f32(red_smem + w * 4)
     return total
-
-
-@cute.jit
-def block_sum_rows(ss: cute.Tensor, red_smem, tid, num_warps: cutlass.Constexpr, rows: cutlass.Constexpr):
-    """``ss[r]`` replaced by its sum over the CTA, for each of ``rows`` values.
-
-    ``ss``: rmem tensor (rows,) Float32 of per-thread partials; ``red_smem``:
-    shared address of ``rows x num_warps`` fp32 slots. One barrier for all
-    rows; each row's warp sums are added in warp order, as ``block_sum`` does
-    (so a row's result is bit-identical to ``block_sum`` of its partial).
-    """
-    for r in cutlass.range_constexpr(rows):
-        ss[r] = warp_sum(ss[r])
-    if cutlass.const_expr(num_warps > 1):
-        if tid % 32 == 0:
-            for r in cutlass.range_constexpr(rows):
-                ptx.sts_f32(red_smem + (r * num_warps + tid // 32) * 4, ss[r])
-        cute.arch.sync_threads()
-        for r in cutlass.range_constexpr(rows):
-            total = ptx.lds_f32(red_smem + r * num_warps * 4)
-            for w in cutlass.range_constexpr(1, num_warps):
-                total = total + ptx.lds_f32(red_smem + (r * num_warps + w) * 4)
-            ss[r] = total

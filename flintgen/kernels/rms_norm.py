@@ -28,26 +28,17 @@ class RMSNormDef(KernelDef):
     # Any M: the token count is a run-time dimension (max_tokens bounds the spec, not this kernel).
     limits = {"hidden_size": (64, 32768), "max_tokens": (1, 256)}
 
-    def __init__(self, max_rows_per_cta: int = 1):
-        RMSNormConfig.for_hidden(64, max_rows_per_cta)   # refuses a bad count here, not at the first build
-        self.max_rows_per_cta = max_rows_per_cta
-
     def variants(self, spec: Spec, target: Target) -> list[Variant]:
         self.check_limits(spec)
-        # norm_weight_offset / rows_per_cta only where set: the other variants keep their names.
-        extra = {"norm_weight_offset": spec.norm_weight_offset} if spec.norm_weight_offset else {}
-        rows = RMSNormConfig.for_hidden(spec.hidden_size, self.max_rows_per_cta).rows_per_cta
-        if rows != 1:
-            extra["rows_per_cta"] = rows
-        return [Variant.of(self.name, hidden=spec.hidden_size, has_residual=r, **extra) for r in (False, True)]
+        # norm_weight_offset only where set: the other variants keep their names.
+        off = {"norm_weight_offset": spec.norm_weight_offset} if spec.norm_weight_offset else {}
+        return [Variant.of(self.name, hidden=spec.hidden_size, has_residual=r, **off) for r in (False, True)]
 
     def render_params(self, spec: Spec, variant: Variant) -> Mapping[str, Any]:
-        params = dict(variant.params)
-        cfg = RMSNormConfig.for_hidden(variant["hidden"], params.get("rows_per_cta", 1))
-        assert cfg.rows_per_cta == params.get("rows_per_cta", 1), (variant.name, cfg)
+        cfg = RMSNormConfig.for_hidden(variant["hidden"])
         return {"hidden": variant["hidden"], "has_residual": variant["has_residual"],
-                "norm_weight_offset": params.get("norm_weight_offset", 0),
-                "threads": cfg.threads, "vec_per_thread": cfg.vec_per_thread, "rows_per_cta": cfg.rows_per_cta}
+                "norm_weight_offset": dict(variant.params).get("norm_weight_offset", 0),
+                "threads": cfg.threads, "vec_per_thread": cfg.vec_per_thread}
 
     def bind(self, spec: Spec, target: Target, load: Loader) -> "RMSNormOp":
         self.check_limits(spec)
