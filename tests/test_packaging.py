@@ -66,9 +66,12 @@ _DECOY = textwrap.dedent("""
     assert flintgen.__file__.startswith(sys.argv[1]), flintgen.__file__
     assert resources.checkout_root() is None
     assert resources.template_dir() == os.path.join(sys.argv[1], "flintgen", "templates")
-    src = codegen.render("rms_norm", "rms_norm.py.j2", {"hidden": 2048, "has_residual": True,
-                                                         "threads": 256, "vec_per_thread": 1,
-                                                         "norm_weight_offset": 0})
+    from flintgen.kernels import get_def
+    from flintgen.kernels.base import Target
+    from flintgen.presets import FLINT
+    rms = get_def("rms_norm")   # the def's own parameters: a template parameter added later needs no edit here
+    v = rms.variants(FLINT, Target("sm_90a", 132))[1]
+    src = codegen.render("rms_norm", "rms_norm.py.j2", dict(rms.render_params(FLINT, v)))
     assert "DECOY" not in src and "HIDDEN = 2048" in src
     os.environ.pop("FLINTGEN_CACHE_DIR", None)
     os.environ["XDG_CACHE_HOME"] = sys.argv[2]
