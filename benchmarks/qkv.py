@@ -231,9 +231,9 @@ class ProductionVariantDef(QKVDef):
     ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one, and no read
     policy) and / or the weights read with the L2 evict-first policy or not (``evict``; None: the op's own)."""
 
-    def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None):
+    def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None, group: int = 1):
         super().__init__()
-        self.l2, self.tma, self.evict = l2, tma, evict
+        self.l2, self.tma, self.evict, self.group = l2, tma, evict, group
 
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
@@ -241,7 +241,8 @@ class ProductionVariantDef(QKVDef):
         if isinstance(cfg, qkv_stream.StreamConfig):
             if self.tma and cfg.wgmma:   # the TMA ring's units are one K step (and take no read policy)
                 return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1, evict_first=False)
-            return replace(cfg, l2_prefetch=self.l2 or cfg.l2_prefetch, evict_first=evict)
+            return replace(cfg, l2_prefetch=self.l2 or cfg.l2_prefetch, evict_first=evict,
+                           l2_prefetch_group=self.group if (self.l2 or cfg.l2_prefetch) else 1)
         # the cluster design: L2 or the op's own
         return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0, evict_first=evict)
 
@@ -253,7 +254,7 @@ def stream_configs():
     prefetched into L2 before the grid-dependency wait, k: CTAs per block, the grid aligned to blocks, d: those CTAs
     one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage, e: weights read
     with the L2 evict-first policy) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units
-    of a streaming range) and / or the TMA ring on its wgmma tiles (T, TL, TL8) and / or, last, the weights read
+    of a streaming range; L1G8: one unit ahead, the ring's rolling prefetch 8 units per bulk op and row) and / or the TMA ring on its wgmma tiles (T, TL, TL8) and / or, last, the weights read
     with the L2 evict-first policy or not (E, N, LE, L8N; without either, the op's own policy; ProductionVariantDef),
     and P: the op's own binaries again through an op of their own, timed where P stands in the list (a control:
     what two timings of identical binaries differ by in one process, 0.7 us in the step once,
@@ -269,19 +270,20 @@ def stream_configs():
             if c == "P":
                 out.append(("production control", None, KDEF))
                 continue
-            prod = re.fullmatch(r"(T)?(?:L(\d*))?([EN])?", c)
-            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units), E / N: evict-first
-                tma, l2, ev = prod.groups()   # reads or not (else the op's own)
-                l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
+            prod = re.fullmatch(r"(T)?(?:L(\d*)(?:G(\d+))?)?([EN])?", c)
+            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units; G<n>: the ring's
+                tma, l2, grp, ev = prod.groups()   # rolling prefetch n units at a time), E / N: evict-first
+                l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)   # reads or not (else the op's own)
                 out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,
-                                                                           evict=None if ev is None else ev == "E")))
+                                                                           evict=None if ev is None else ev == "E",
+                                                                           group=int(grp or 1))))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?"
                                  r"(?:k(\d+))?(d)?(?:u(\d+))?(e)?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
                                  "f<tokens>l<units>k<splits>[d]u<steps>[e] (in that order, each part optional), T, L, L<units>, TL, "
-                                 "TL<units>, each optionally followed by E or N, P")
+                                 "TL<units>, L<units>G<units>, each optionally followed by E or N, P")
             w, st, p, cs, g, tma, f, l2, k, dsmem, us, ev = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),

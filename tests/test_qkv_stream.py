@@ -149,7 +149,8 @@ def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
-        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"k{c.splits}" if c.splits else "") + \
+        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"G{c.l2_prefetch_group}" if c.l2_prefetch_group > 1 else "") + \
+        (f"k{c.splits}" if c.splits else "") + \
         ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("e" if c.evict_first else "")
 
 
@@ -238,6 +239,53 @@ def test_stream_l2_prefetch_compiles_clean(name, max_m, cfg, rolling):
     before = ptx[:wait].count("cp.async.bulk.prefetch.L2.global")
     assert before == p["max_segments"] * -(-p["block_rows"] // (32 * p["warps"])), before
     assert ptx[wait:].count("cp.async.bulk.prefetch.L2.global") == (p["max_segments"] if rolling else 0)
+
+
+# the ring's rolling L2 prefetch grouped (l2_prefetch_group): the cluster finish at 32 tokens (the 16-64 tiles'
+# ring, 16 units a range at hidden 4096), the 8-token ring of two-step units across blocks
+L2_GROUP_COMPILE = [("bf16_4096", 32, StreamConfig(wgmma=True, splits=2, cluster=True, evict_first=True,
+                                                   l2_prefetch=1, l2_prefetch_group=8)),
+                    ("bf16_4096", 8, StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1,
+                                                  l2_prefetch_group=4))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, max_m, cfg", L2_GROUP_COMPILE,
+                         ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in L2_GROUP_COMPILE])
+def test_stream_l2_prefetch_group_compiles_clean(name, max_m, cfg):
+    """One bulk prefetch per row and block segment every l2_prefetch_group units (the group's bytes of the row),
+    guarded by the unit index modulo the group; the ungrouped binary prefetches one unit's bytes per row at
+    every unit."""
+    from dataclasses import replace
+
+    spec = _spec(name)
+    p, ptx = _compiled(spec, cfg, max_m)
+    assert p["l2_group"] == cfg.l2_prefetch_group and p["l2_prefetch"] == 1
+    wait = ptx.index("griddepcontrol.wait")
+    after = ptx[wait:].count("cp.async.bulk.prefetch.L2.global")   # in each segment's loop, one per segment
+    assert after == p["max_segments"] ** 2, after                   # the group can reach
+    _, plain = _compiled(spec, replace(cfg, l2_prefetch_group=1), max_m)
+    assert plain[plain.index("griddepcontrol.wait"):].count("cp.async.bulk.prefetch.L2.global") == p["max_segments"]
+    assert ptx != plain
+
+
+def test_l2_prefetch_group_refusals_and_params():
+    from flintgen.configs.qkv_stream_plan import MAX_L2_PREFETCH_GROUP
+
+    with pytest.raises(ValueError, match=r"l2_prefetch_group = 0 must be an int in 1..16"):
+        StreamConfig(wgmma=True, l2_prefetch=1, l2_prefetch_group=0)
+    with pytest.raises(ValueError, match=rf"l2_prefetch_group = {MAX_L2_PREFETCH_GROUP + 1} must be an int"):
+        StreamConfig(wgmma=True, l2_prefetch=1, l2_prefetch_group=MAX_L2_PREFETCH_GROUP + 1)
+    with pytest.raises(ValueError, match=r"l2_prefetch_group = True must be an int"):
+        StreamConfig(wgmma=True, l2_prefetch=1, l2_prefetch_group=True)
+    with pytest.raises(ValueError, match=r"l2_prefetch_group = 4 groups the ring's L2 prefetch: l2_prefetch = 0"):
+        StreamConfig(wgmma=True, l2_prefetch_group=4)
+    spec = _spec("bf16_4096")
+    v1 = KDEF.variant(spec, config=StreamConfig(wgmma=True, l2_prefetch=1), max_m=32, target=T132)
+    v8 = KDEF.variant(spec, config=StreamConfig(wgmma=True, l2_prefetch=1, l2_prefetch_group=8), max_m=32,
+                      target=T132)
+    assert "l2_prefetch_group" not in dict(v1.params) and dict(v8.params)["l2_prefetch_group"] == 8
+    assert KDEF.render_params(spec, v1)["l2_group"] == 1
 
 
 # a block's CTAs as one cluster reducing through DSMEM (StreamConfig.cluster): 2 ranks, 4 of 8 tokens each
@@ -523,7 +571,11 @@ CONFIGS = [(StreamConfig(wgmma=True, unit_steps=2, evict_first=True), 8, 8),
            (StreamConfig(stages=8, wgmma=True, tma=True, splits=2, cluster=True), 33, 64),
            # ... and on the mma.sync ring (one and two 16-row tiles per warp)
            (StreamConfig(stages=6, splits=2, cluster=True), 17, 32),
-           (StreamConfig(stages=4, warp_tiles=2, splits=2, cluster=True), 64, 64)]
+           (StreamConfig(stages=4, warp_tiles=2, splits=2, cluster=True), 64, 64),
+           # the ring's rolling L2 prefetch in groups (the 16-64 tiles' cluster ring; the 8-token ring across blocks)
+           (StreamConfig(wgmma=True, splits=2, cluster=True, evict_first=True, l2_prefetch=1, l2_prefetch_group=8),
+            33, 64),
+           (StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1, l2_prefetch_group=4), 5, 8)]
 
 
 def _ring_spec(max_tokens):

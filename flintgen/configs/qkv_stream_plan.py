@@ -95,6 +95,7 @@ MAX_CLUSTER = 8         # CTAs of a cluster (the portable limit)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any range holds: all of it)
+MAX_L2_PREFETCH_GROUP = 16  # units of one rolling L2 prefetch (StreamConfig.l2_prefetch_group)
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
 MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when merging a head (ring path)
 MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next units' weights in registers
@@ -125,7 +126,10 @@ class StreamConfig:
     ``unit_steps`` (K_STEP steps per unit and ring stage: 2 makes 32 KB
     units of a 128-row block, the wgmma cp.async ring only) and
     ``evict_first`` (the ring's weight copies read with an L2 evict-first
-    policy: dead once read, they leave L2 first; the cp.async ring only)."""
+    policy: dead once read, they leave L2 first; the cp.async ring only) and
+    ``l2_prefetch_group`` (with ``l2_prefetch``: the ring's rolling L2
+    prefetch every that many units, each row's bytes of that many units in
+    one bulk prefetch, instead of one unit's per row at every unit)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -139,8 +143,16 @@ class StreamConfig:
     cluster: bool = False
     unit_steps: int = 1
     evict_first: bool = False
+    l2_prefetch_group: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.l2_prefetch_group, bool) or not isinstance(self.l2_prefetch_group, int) \
+                or not 1 <= self.l2_prefetch_group <= MAX_L2_PREFETCH_GROUP:
+            raise ValueError(f"StreamConfig.l2_prefetch_group = {self.l2_prefetch_group!r} must be an int in "
+                             f"1..{MAX_L2_PREFETCH_GROUP} (units per rolling L2 prefetch)")
+        if self.l2_prefetch_group > 1 and not self.l2_prefetch:
+            raise ValueError(f"StreamConfig: l2_prefetch_group = {self.l2_prefetch_group} groups the ring's L2 "
+                             f"prefetch: l2_prefetch = {self.l2_prefetch} must be >= 1 (or the group 1)")
         if not isinstance(self.evict_first, bool):
             raise TypeError(f"StreamConfig.evict_first = {self.evict_first!r} must be a bool")
         if self.evict_first and (self.tma or self.prefetch):

@@ -99,7 +99,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
                           ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1),
-                          ("evict_first", False)):
+                          ("evict_first", False), ("l2_prefetch_group", 1)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs), at every tile:
@@ -130,7 +130,8 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
         "max_owned": plan.max_owned, "l2_prefetch": plan.l2_prefetch, "max_units": plan.max_units,
-        "tma": plan.tma, "evict_first": p.get("evict_first", False), "splits": plan.splits, "cluster": plan.cluster,
+        "tma": plan.tma, "evict_first": p.get("evict_first", False),
+        "l2_group": p.get("l2_prefetch_group", 1), "splits": plan.splits, "cluster": plan.cluster,
         "slice_values": plan.slice_values,
         "recv_bytes": plan.recv_bytes, "unit_steps": plan.unit_steps, "slice_tokens": plan.slice_tokens,
         "workspace_floats": plan.workspace_floats, "has_bias": p["bias"], "has_rope": p["rope"],
