@@ -239,10 +239,12 @@ class ProductionVariantDef(QKVDef):
         cfg = super().config(spec, max_m, target)
         evict = cfg.evict_first if self.evict is None else self.evict   # None: the op's own read policy
         if isinstance(cfg, qkv_stream.StreamConfig):
+            # L<n>[G<g>] replaces the op's L2 prefetch (n units ahead, g per rolling prefetch), else it is kept
+            l2, group = (self.l2, self.group) if self.l2 else (cfg.l2_prefetch, cfg.l2_prefetch_group)
             if self.tma and cfg.wgmma:   # the TMA ring's units are one K step (and take no read policy)
-                return replace(cfg, l2_prefetch=self.l2, tma=True, unit_steps=1, evict_first=False)
-            return replace(cfg, l2_prefetch=self.l2 or cfg.l2_prefetch, evict_first=evict,
-                           l2_prefetch_group=self.group if (self.l2 or cfg.l2_prefetch) else 1)
+                return replace(cfg, l2_prefetch=l2, l2_prefetch_group=group, tma=True, unit_steps=1,
+                               evict_first=False)
+            return replace(cfg, l2_prefetch=l2, l2_prefetch_group=group, evict_first=evict)
         # the cluster design: L2 or the op's own
         return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0, evict_first=evict)
 

@@ -67,8 +67,8 @@ def test_production_variant_def_changes_one_thing():
         if isinstance(base, QKVConfig):   # the cluster design: its rows' rest prefetched, nothing else
             assert cfg == QKVConfig(base.rows, base.cluster, base.warps, base.prefetch, base.early_dequant, True)
         else:
-            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "tma": True, "unit_steps": 1,
-                                          "evict_first": False})
+            assert cfg == StreamConfig(**{**base.__dict__, "l2_prefetch": 8, "l2_prefetch_group": 1, "tma": True,
+                                          "unit_steps": 1, "evict_first": False})
 
 
 def test_production_variant_def_keeps_the_ops_l2_prefetch():
