@@ -17,7 +17,6 @@ import time
 
 import flintgen
 from flintgen.configs import decode_attention_config as dac
-from flintgen.configs.decode_attention_config import DecodeAttentionConfig as C
 
 # Runs 13-18 (their rows and numbers: results/decode_attention_sweep.md) measured the head_dim-96 / -256 rules,
 # long windows, min_pages above 8 pairs, the fp8 ring slots and CTAs per SM; run 19 releasing PDL dependents

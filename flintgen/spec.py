@@ -26,7 +26,7 @@ import json
 import math
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)

@@ -13,7 +13,6 @@ import sys
 import textwrap
 import time
 
-import filelock
 import pytest
 
 from flintgen import cache, compiler

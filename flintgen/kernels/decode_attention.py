@@ -484,8 +484,6 @@ def check_fp8_inputs(q, k_scale, v_scale) -> None:
     > 0, and q lies within f16's range (the kernel converts q to f16 with
     saturation: larger magnitudes would be clamped to 65504). Works on any
     device (synchronizes)."""
-    import torch
-
     kv_scales.check_scale_values(k_scale, v_scale)
     if q.numel():
         big = float(q.detach().abs().float().amax().item())
