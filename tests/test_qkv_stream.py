@@ -148,7 +148,8 @@ def _cfg_id(c):
     return f"s{c.stages}w{c.warp_tiles}" + (f"p{c.prefetch}" if c.prefetch else "") + \
         (f"c{c.ctas_per_sm}" if c.prefetch or c.ctas_per_sm > 1 else "") + ("g" if c.wgmma else "") + \
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
-        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + (f"G{c.l2_prefetch_group}" if c.l2_prefetch_group > 1 else "") + \
+        (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + \
+        (f"G{c.l2_prefetch_group}" if c.l2_prefetch_group > 1 else "") + \
         (f"k{c.splits}" if c.splits else "") + \
         ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("e" if c.evict_first else "")
 
