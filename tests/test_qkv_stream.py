@@ -71,9 +71,21 @@ def test_variant_and_template():
     # and those CTAs one cluster reducing through DSMEM, the ring filling shared memory, where a head is one block
     # (head_dim 64 / 128)
     k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
+    # (and, up to hidden 4096, units prefetched into L2 ahead in groups: 8 / 8 for weights of at most 24 MB, else
+    # 1 / 4)
+    small = dict(l2_prefetch=8, l2_prefetch_group=8)
     for m in (16, 32, 64):
-        assert k132(m, 128, heads=40) == EF(wgmma=True, splits=sp.SPLITS, cluster=True)
-        assert k132(m, 64, heads=60) == EF(wgmma=True, splits=sp.SPLITS, cluster=True)
+        assert k132(m, 128, heads=40) == EF(wgmma=True, splits=sp.SPLITS, cluster=True, **small)   # 21 MB
+        assert k132(m, 64, heads=60) == EF(wgmma=True, splits=sp.SPLITS, cluster=True, **small)
+        assert sp.stream_config("bf16", m, 128, hidden=4096, heads=48, ctas=132) == EF(     # 50 MB
+            wgmma=True, splits=sp.SPLITS, cluster=True, l2_prefetch=1, l2_prefetch_group=4)
+        assert sp.stream_config("bf16", m, 128, hidden=4224, heads=48, ctas=132) == EF(     # not measured: none
+            wgmma=True, splits=sp.SPLITS, cluster=True)
+    weights = sp.L2_PREFETCH_MAX_WEIGHT_BYTES // (2 * 128 * 48)     # the bound, in hidden (48 heads of 128)
+    assert k132(16, 128, heads=48).l2_prefetch == 8 and weights * 2 * 128 * 48 == sp.L2_PREFETCH_MAX_WEIGHT_BYTES
+    assert sp.stream_config("bf16", 16, 128, hidden=weights, heads=48, ctas=132).l2_prefetch_group == 8
+    assert sp.stream_config("bf16", 16, 128, hidden=weights + 64, heads=48, ctas=132).l2_prefetch_group == 4
+    assert k132(32, 256, heads=20).l2_prefetch == 0 and k132(32, 96, heads=40).l2_prefetch == 0  # not the cluster
     assert k132(64, 256, heads=20) == EF(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
     assert k132(32, 256, heads=20) == EF(stages=8, wgmma=True, splits=sp.SPLITS)
     assert k132(32, 128, heads=66).splits == 2 and k132(32, 128, heads=67).splits == 0    # 134 > 132 CTAs

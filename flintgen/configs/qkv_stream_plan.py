@@ -71,7 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
-from flintgen.configs.qkv_config import CTA_SMEM_RESERVED
+from flintgen.configs.qkv_config import CTA_SMEM_RESERVED, L2_PREFETCH_MAX_WEIGHT_BYTES
 
 K_STEP = 64             # k per unit (4 quads x 16 values)
 ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
@@ -85,6 +85,10 @@ STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wg
 STREAM_MIN_HIDDEN_8_UNITS = 3072  # ... or this one where hidden is a multiple of 2 K_STEP (units of two K steps)
 STREAM_L2_PREFETCH_8 = 1    # ... whose two-step-unit ring keeps this many units prefetched into L2 ahead ...
 STREAM_L2_PREFETCH_MAX_HIDDEN = 4096   # ... up to this hidden size (measured at 4096; larger: not measured)
+# The cluster finish's tiles (16-64 tokens) up to that hidden size: (units prefetched into L2 ahead, units per
+# rolling prefetch) for weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES, and for larger ones (stream_config)
+STREAM_L2_PREFETCH_CLUSTER_SMALL = (8, 8)
+STREAM_L2_PREFETCH_CLUSTER = (1, 4)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens (the cluster finish fills smem)
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
@@ -262,9 +266,30 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       17.78 / 17.86 / 18.12; 2 units ahead -1.2 to -1.3 us, 4 level; at 16
       and 64 tokens 2 and 8 units ahead made the step 0.1-14 us slower, run 3).
       Larger hidden sizes were not measured (before evict-first reads the L2
-      prefetch cost 2-18 us there) and keep none."""
+      prefetch cost 2-18 us there) and keep none.
+    * The cluster finish's tiles (16-64 tokens) up to the same hidden size
+      keep units prefetched into L2 ahead, the ring's rolling prefetch
+      grouped (``l2_prefetch_group``: one bulk prefetch per row every G
+      units): weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES 8 units ahead
+      in groups of 8, larger ones 1 unit ahead in groups of 4
+      (STREAM_L2_PREFETCH_CLUSTER_SMALL / STREAM_L2_PREFETCH_CLUSTER).
+      qkv_evict.md run 8, H100, 3 runs with a control, GEMV / step us at
+      M = 16 / 32 / 64: hidden 4096 32/8 (50 MB) 18.59 / 19.69 / 20.92 ->
+      17.95 / 18.51 / 20.22 and 19.64 / 21.76 / 22.80 -> 19.56 / 20.50 /
+      22.55; flint-bf16 (21 MB) 9.19 / 9.59 / 10.46 -> 8.65 / 8.98 / 10.12
+      and 9.59 / 10.84 / 12.30 -> 9.58 / 10.21 / 12.34 (spreads <= 0.15).
+      Swapped, each loses (hidden 4096 8 ahead: +1.0-1.2 us in the GEMV;
+      flint-bf16 1 ahead in groups of 4: +0.6-1.2); one unit ahead
+      ungrouped costs 3.5-12 us (run 7)."""
     cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
-    return None if cfg is None else replace(cfg, evict_first=True)
+    if cfg is None:
+        return None
+    cfg = replace(cfg, evict_first=True)
+    if max_m >= STREAM_MIN_TOKENS and cfg.cluster and hidden <= STREAM_L2_PREFETCH_MAX_HIDDEN:
+        small = hidden * heads * head_dim * 2 <= L2_PREFETCH_MAX_WEIGHT_BYTES
+        ahead, group = STREAM_L2_PREFETCH_CLUSTER_SMALL if small else STREAM_L2_PREFETCH_CLUSTER
+        cfg = replace(cfg, l2_prefetch=ahead, l2_prefetch_group=group)
+    return cfg
 
 
 def _stream_tile(weight_format: str, max_m: int, head_dim: int, *, hidden: int, heads: int,
