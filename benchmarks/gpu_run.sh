@@ -46,10 +46,10 @@
 #                                               # CLUSTER_AB_CONFIGS=labels: others), 3 runs
 #   bash benchmarks/gpu_run.sh cluster-sanitize # compute-sanitizer's four tools over 2- and 4-rank cluster finishes
 #   bash benchmarks/gpu_run.sh l2-rule          # the 16-64-token grouped L2 rule's GPU tests: test_qkv's token tiles
-#                                               # of flint-bf16 / hidden 4096, graph replay per tile, the streaming
-#                                               # tests but other configs; compute-sanitizer's four tools over two
-#                                               # (prebuild: tools/prebuild_gpu_tests.py qkv:flint_bf16_t64,bf16_4096_t64
-#                                               # and python tests/test_qkv_stream.py --prebuild DIR --no-other-configs)
+#                                               # of flint-bf16 / hidden 4096 (tiles 16 / 32 / 64 of both settings),
+#                                               # graph replay per tile; compute-sanitizer's four tools over two
+#                                               # (prebuild: tools/prebuild_gpu_tests.py
+#                                               # qkv:flint_t64,flint_bf16_t64,bf16_4096_t64)
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
 # first) and FLINTGEN_CACHE_DIR pointing at a carried cache; FLINTGEN_COMMIT names
@@ -124,9 +124,6 @@ for what in "$@"; do
         l2-rule) python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv.py tests/test_qkv_tokens.py \
                    -k "(test_numerics_token_tiles and (flint_bf16_t64 or bf16_4096_t64)) or graph_replay_per_token_tile" \
                    2>&1 | tee "$OUT/l2_rule_tests.log" | tail -8
-               rc=$((rc || PIPESTATUS[0]))
-               python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py -k "not other_configs" \
-                   2>&1 | tee "$OUT/l2_rule_stream_tests.log" | tail -8
                rc=$((rc || PIPESTATUS[0]))
                bash tools/sanitize.sh l2_rule "${L2_RULE_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
                    tests/test_qkv.py -k "test_numerics_token_tiles and (flint_bf16_t64-M17 or bf16_4096_t64-M33)" ;;

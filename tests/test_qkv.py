@@ -488,10 +488,10 @@ for _n in ("flint", "flint_bf16", "bf16_4096", "oss_nvfp4", "oss_bf16", "d96", "
            "h16384", "h16384_bf16"):
     SPECS[f"{_n}_t64"] = SPECS[_n].replace(max_tokens=64)
 TILE_CASES = ([("flint_t64", m) for m in TILE_MS] + [("bf16_4096_t64", m) for m in TILE_MS]
-              + [("flint_bf16_t64", 17), ("flint_bf16_t64", 64), ("oss_nvfp4_t64", 9), ("oss_nvfp4_t64", 64),
-                 ("oss_bf16_t64", 33), ("oss_bf16_t64", 63), ("d96_t64", 24), ("d96_t64", 64), ("d256_t64", 16),
-                 ("d256_t64", 64), ("glm4_t64", 40), ("gemma3_4b_t64", 64), ("h16384_t64", 33),
-                 ("h16384_t64", 64), ("h16384_bf16_t64", 20)])
+              + [("flint_bf16_t64", 9), ("flint_bf16_t64", 17), ("flint_bf16_t64", 33), ("flint_bf16_t64", 64),
+                 ("oss_nvfp4_t64", 9), ("oss_nvfp4_t64", 64), ("oss_bf16_t64", 33), ("oss_bf16_t64", 63),
+                 ("d96_t64", 24), ("d96_t64", 64), ("d256_t64", 16), ("d256_t64", 64), ("glm4_t64", 40),
+                 ("gemma3_4b_t64", 64), ("h16384_t64", 33), ("h16384_t64", 64), ("h16384_bf16_t64", 20)])
 
 
 @pytest.mark.gpu
