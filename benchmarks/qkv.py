@@ -440,8 +440,10 @@ def stream_main():
                         "streaming design's wgmma ring, every tile reading its weights evict-first: at the 8-token "
                         "tile units of two K steps filling shared memory, one unit prefetched into L2 ahead up to "
                         "hidden 4096; from 16 tokens two CTAs per block as one cluster reducing through DSMEM, the "
-                        "ring filling shared memory, where that grid is 0.6-1 x the SMs and a head is one block, "
-                        "else 8 stages at 16 / 32 tokens and 6 at 64), stream = a configuration as labelled "
+                        "ring filling shared memory, where that grid is 0.6-1 x the SMs and a head is one block "
+                        "(up to hidden 4096 units prefetched into L2 ahead in groups: weights <= 24 MB 8 ahead / 8, "
+                        "else 1 / 4), else 8 stages at 16 / 32 tokens and 6 at 64), stream = a configuration as "
+                        "labelled "
                         "(s = stages, g = wgmma, else mma.sync; l = units prefetched into L2; k = CTAs per block, "
                         "d = those CTAs one cluster; u = K steps per unit; e = evict-first reads)."))
 
