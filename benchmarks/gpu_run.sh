@@ -45,9 +45,6 @@
 #   bash benchmarks/gpu_run.sh cluster-ab       # the op per M (16..64) against the cluster finish (s8gk2d, s6gk2d;
 #                                               # CLUSTER_AB_CONFIGS=labels: others), 3 runs
 #   bash benchmarks/gpu_run.sh cluster-sanitize # compute-sanitizer's four tools over 2- and 4-rank cluster finishes
-#   bash benchmarks/gpu_run.sh pre-wait         # the streaming ring's first 1 / 2 / 3 units' weights before the grid
-#                                               # wait (B1,B2,B3 against P, 3 runs into $OUT/pw), then the option's
-#                                               # GPU tests and compute-sanitizer's four tools over them
 #   bash benchmarks/gpu_run.sh l2-rule          # the 16-64-token grouped L2 rule's GPU tests: test_qkv's token tiles
 #                                               # of flint-bf16 / hidden 4096 (tiles 16 / 32 / 64 of both settings),
 #                                               # graph replay per tile; compute-sanitizer's four tools over two
@@ -130,18 +127,6 @@ for what in "$@"; do
                rc=$((rc || PIPESTATUS[0]))
                bash tools/sanitize.sh l2_rule "${L2_RULE_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
                    tests/test_qkv.py -k "test_numerics_token_tiles and (flint_bf16_t64-M17 or bf16_4096_t64-M33)" ;;
-        pre-wait) O="$OUT"
-               for i in 1 2 3; do
-                   mkdir -p "$O/pw/run$i"
-                   OUT="$O/pw/run$i" timeout 170 python3 -m benchmarks.qkv --stream --ms 1,2,4,8,16,32,64 --no-fill \
-                       --configs B1,B2,B3,P > "$O/pw/run$i.log" 2>&1 || echo "A/B run $i failed"
-               done
-               python3 tools/merge_runs.py "$O/pw" qkv_stream > "$O/pw/merged.md" 2>&1; tail -70 "$O/pw/merged.md"
-               python3 -m pytest -m gpu -q --tb=short -p no:cacheprovider -rfEx tests/test_qkv_stream.py \
-                   -k "other_configs and (B1u2e or B3k2de)" 2>&1 | tee "$OUT/pw_tests.log" | tail -5
-               rc=$((rc || PIPESTATUS[0]))
-               bash tools/sanitize.sh pre_wait "${PW_LIMIT:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                   tests/test_qkv_stream.py -k "other_configs and (B1u2e or B3k2de)" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
         sweep-kv-evict) python3 -m benchmarks.decode_attention_sweep --passes 5 --rotate 2>&1 | tee "$OUT/sweep.md" | tail -12

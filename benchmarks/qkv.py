@@ -229,13 +229,11 @@ class ProductionVariantDef(QKVDef):
     grid-dependency wait (``l2``: units per range on the streaming design, a huge number for the whole
     range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``; the TMA
     ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one, and no read
-    policy) and / or the weights read with the L2 evict-first policy or not (``evict``; None: the op's own) and / or
-    only the first ``pre_wait`` units' weights copied before the grid-dependency wait on the streaming cp.async ring
-    (StreamConfig.pre_wait_units; the cluster design keeps its own)."""
+    policy) and / or the weights read with the L2 evict-first policy or not (``evict``; None: the op's own)."""
 
-    def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None, group: int = 1, pre_wait: int = 0):
+    def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None, group: int = 1):
         super().__init__()
-        self.l2, self.tma, self.evict, self.group, self.pre_wait = l2, tma, evict, group, pre_wait
+        self.l2, self.tma, self.evict, self.group = l2, tma, evict, group
 
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
@@ -246,8 +244,7 @@ class ProductionVariantDef(QKVDef):
             if self.tma and cfg.wgmma:   # the TMA ring's units are one K step (and take no read policy)
                 return replace(cfg, l2_prefetch=l2, l2_prefetch_group=group, tma=True, unit_steps=1,
                                evict_first=False)
-            return replace(cfg, l2_prefetch=l2, l2_prefetch_group=group, evict_first=evict,
-                           pre_wait_units=self.pre_wait or cfg.pre_wait_units)
+            return replace(cfg, l2_prefetch=l2, l2_prefetch_group=group, evict_first=evict)
         # the cluster design: L2 or the op's own
         return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0, evict_first=evict)
 
@@ -260,8 +257,7 @@ def stream_configs():
     one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage, e: weights read
     with the L2 evict-first policy) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units
     of a streaming range; L1G8: one unit ahead, the ring's rolling prefetch 8 units per bulk op and row) and / or
-    the TMA ring on its wgmma tiles (T, TL, TL8) and / or only the first n units' weights copied before the grid wait
-    on its streaming tiles (B<n>, L1G8B2) and / or, last, the weights read with the L2 evict-first policy or
+    the TMA ring on its wgmma tiles (T, TL, TL8) and / or, last, the weights read with the L2 evict-first policy or
     not (E, N, LE, L8N; without either, the op's own policy; ProductionVariantDef),
     and P: the op's own binaries again through an op of their own, timed where P stands in the list (a control:
     what two timings of identical binaries differ by in one process, 0.7 us in the step once,
@@ -277,22 +273,20 @@ def stream_configs():
             if c == "P":
                 out.append(("production control", None, KDEF))
                 continue
-            prod = re.fullmatch(r"(T)?(?:L(\d*)(?:G(\d+))?)?(?:B(\d+))?([EN])?", c)
-            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units; G<n>: the ring's rolling
-                tma, l2, grp, pre, ev = prod.groups()   # prefetch n units at a time), B<n>: n units' weights
-                # before the grid wait, E / N: evict-first
+            prod = re.fullmatch(r"(T)?(?:L(\d*)(?:G(\d+))?)?([EN])?", c)
+            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units; G<n>: the ring's
+                tma, l2, grp, ev = prod.groups()   # rolling prefetch n units at a time), E / N: evict-first
                 l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)   # reads or not (else the op's own)
                 out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,
                                                                            evict=None if ev is None else ev == "E",
-                                                                           group=int(grp or 1),
-                                                                           pre_wait=int(pre or 0))))
+                                                                           group=int(grp or 1))))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+))?"
                                  r"(?:k(\d+))?(d)?(?:u(\d+))?(e)?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
                                  "f<tokens>l<units>k<splits>[d]u<steps>[e] (in that order, each part optional), T, L, L<units>, TL, "
-                                 "TL<units>, L<units>G<units>, B<units>, each optionally followed by E or N, P")
+                                 "TL<units>, L<units>G<units>, each optionally followed by E or N, P")
             w, st, p, cs, g, tma, f, l2, k, dsmem, us, ev = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),

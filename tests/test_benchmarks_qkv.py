@@ -82,19 +82,6 @@ def test_production_variant_def_keeps_the_ops_l2_prefetch():
     assert cfg == StreamConfig(**{**base.__dict__, "tma": True, "unit_steps": 1, "evict_first": False})
 
 
-def test_pre_wait_label_changes_only_the_streaming_tiles(monkeypatch):
-    """B<n> (after T / L): the op's configuration with only its first n units' weights copied before the grid
-    wait on the streaming tiles; the cluster design (flint-bf16's 8-token tile) stays the op's own."""
-    got = {label: kd for label, _, kd in _configs(monkeypatch, "B2,L1G8B3")}
-    assert (got["production B2"].pre_wait, got["production B2"].l2) == (2, 0)
-    assert (got["production L1G8B3"].pre_wait, got["production L1G8B3"].l2, got["production L1G8B3"].group) == (3, 1, 8)
-    spec = bq.token_specs()[1][0]   # flint-bf16, max_tokens 64
-    for t in token_tiles(spec.max_tokens):
-        base, cfg = bq.KDEF.config(spec, t, SM90), got["production B2"].config(spec, t, SM90)
-        assert cfg == (replace(base, pre_wait_units=2) if isinstance(base, StreamConfig) else base), t
-        assert got["production B2"].variant(spec, config=None, max_m=t, target=SM90).name
-
-
 def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
     """Every label of gpu_run.sh's stream-ab parses and gives a variant for every tile of both specs."""
     text = open(GPU_RUN).read()

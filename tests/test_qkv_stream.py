@@ -15,7 +15,6 @@ flintgen.kernels.qkv_stream, templates/qkv_stream.py.j2.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -163,7 +162,6 @@ def _cfg_id(c):
         ("t" if c.tma else "") + (f"f{c.finish_tokens}" if c.finish_tokens else "") + \
         (f"l{c.l2_prefetch}" if c.l2_prefetch else "") + \
         (f"G{c.l2_prefetch_group}" if c.l2_prefetch_group > 1 else "") + \
-        (f"B{c.pre_wait_units}" if c.pre_wait_units else "") + \
         (f"k{c.splits}" if c.splits else "") + \
         ("d" if c.cluster else "") + (f"u{c.unit_steps}" if c.unit_steps > 1 else "") + ("e" if c.evict_first else "")
 
@@ -185,27 +183,6 @@ def test_l2_prefetch_group_refusals_and_params():
                       target=T132)
     assert "l2_prefetch_group" not in dict(v1.params) and dict(v8.params)["l2_prefetch_group"] == 8
     assert KDEF.render_params(spec, v1)["l2_group"] == 1
-
-
-def test_pre_wait_units_refusals_and_params():
-    for bad in (-1, True, 1.0):
-        with pytest.raises(ValueError, match=rf"pre_wait_units = {bad!r} must be an int >= 0"):
-            StreamConfig(wgmma=True, pre_wait_units=bad)
-    with pytest.raises(ValueError, match=r"pre_wait_units = 2 splits the cp.async ring's first copies around the "
-                                         r"grid wait: tma = True, prefetch = 0 must be off"):
-        StreamConfig(wgmma=True, tma=True, pre_wait_units=2)
-    with pytest.raises(ValueError, match=r"pre_wait_units = 2 .*: tma = False, prefetch = 3 must be off"):
-        StreamConfig(prefetch=3, pre_wait_units=2)
-    spec = _spec("bf16_4096")
-    ring8 = StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1)   # the 8-token rule: 6 stages
-    with pytest.raises(ValueError, match=r"pre_wait_units = 4 must be below the ring's lookahead of 4 units at this "
-                                         r"tile \(max_m 8, 6 stages\): use fewer, or 0"):
-        KDEF.variant(spec, config=replace(ring8, pre_wait_units=4), max_m=8, target=T132)
-    v0 = KDEF.variant(spec, config=ring8, max_m=8, target=T132)
-    v2 = KDEF.variant(spec, config=replace(ring8, pre_wait_units=2), max_m=8, target=T132)
-    assert "pre_wait_units" not in dict(v0.params) and dict(v2.params)["pre_wait_units"] == 2
-    assert KDEF.render_params(spec, v0)["pre_wait"] == KDEF.render_params(spec, v0)["lookahead"] == 4
-    assert KDEF.render_params(spec, v2)["pre_wait"] == 2
 
 
 # a block's CTAs as one cluster reducing through DSMEM (StreamConfig.cluster): 2 ranks, 4 of 8 tokens each
@@ -378,12 +355,7 @@ CONFIGS = [(StreamConfig(wgmma=True, unit_steps=2, evict_first=True), 8, 8),
            # the ring's rolling L2 prefetch in groups (the 16-64 tiles' cluster ring; the 8-token ring across blocks)
            (StreamConfig(wgmma=True, splits=2, cluster=True, evict_first=True, l2_prefetch=1, l2_prefetch_group=8),
             33, 64),
-           (StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1, l2_prefetch_group=4), 5, 8),
-           # only the first units' weights copied before the grid wait, the lookahead's rest right after it (the
-           # 8-token ring of two-step units, lookahead 4; the 16-64 tiles' cluster ring, lookahead 8 at 32 tokens)
-           (StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1, pre_wait_units=1), 8, 8),
-           (StreamConfig(wgmma=True, splits=2, cluster=True, evict_first=True, l2_prefetch=1, l2_prefetch_group=4,
-                         pre_wait_units=3), 17, 32)]
+           (StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1, l2_prefetch_group=4), 5, 8)]
 
 
 def _ring_spec(max_tokens):

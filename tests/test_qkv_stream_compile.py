@@ -8,8 +8,6 @@ and launch configs: tests/test_qkv_stream.py (the GPU tests run the same ones).
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from flintgen.configs import qkv_stream_plan as sp
@@ -156,6 +154,7 @@ EVICT_COMPILE = [("bf16_4096", 8, StreamConfig(wgmma=True, unit_steps=2, evict_f
 @pytest.mark.compile
 @pytest.mark.parametrize("name, max_m, cfg", EVICT_COMPILE, ids=[f"{n}-M{m}-{_cfg_id(c)}" for n, m, c in EVICT_COMPILE])
 def test_stream_evict_first_compiles_clean(name, max_m, cfg):
+    import re
 
     from dataclasses import replace
 
@@ -255,31 +254,3 @@ def test_stream_finish_compiles_clean(name, max_m, cfg):
     assert ptx.count("nanosleep") == p["max_owned"]
     assert ptx.count("ld.acquire.gpu.global") == 2 * p["max_owned"]   # the poll loop rotated: one load before it
     assert ptx.count("atom.acq_rel.gpu.global.add.s32") == p["max_segments"] + p["max_owned"]
-
-
-# only the first units' weights copied before the grid wait (pre_wait_units): the 8-token ring of two-step units
-# (lookahead 4) and the 16-64 tiles' cluster ring at 32 tokens (lookahead 8), against the same ring without it
-PRE_WAIT_COMPILE = [("bf16_4096", 8, StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1), 1),
-                    ("bf16_4096", 32, StreamConfig(wgmma=True, splits=2, cluster=True, evict_first=True,
-                                                   l2_prefetch=1, l2_prefetch_group=4), 3)]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("name, max_m, cfg, pre", PRE_WAIT_COMPILE,
-                         ids=[f"{n}-M{m}-{_cfg_id(c)}-B{p}" for n, m, c, p in PRE_WAIT_COMPILE])
-def test_stream_pre_wait_units_compiles_clean(name, max_m, cfg, pre):
-    """The weight copies before griddepcontrol.wait are the first ``pre`` units' (of the lookahead's), the rest
-    follow it; the binary's copies in all are the same."""
-    from dataclasses import replace
-
-    p0, ptx0 = _compiled(_spec(name), cfg, max_m)
-    p1, ptx1 = _compiled(_spec(name), replace(cfg, pre_wait_units=pre), max_m)
-    assert (p0["pre_wait"], p1["pre_wait"]) == (p0["lookahead"], pre)
-
-    def copies(ptx):   # weight (and xn) cp.async copies before the grid wait, and in all
-        wait = ptx.index("griddepcontrol.wait")
-        return len(re.findall(r"cp\.async\.c[ag]", ptx[:wait])), len(re.findall(r"cp\.async\.c[ag]", ptx))
-
-    (before0, all0), (before1, all1) = copies(ptx0), copies(ptx1)
-    assert before0 % p0["lookahead"] == 0 and before1 == before0 // p0["lookahead"] * pre, (before0, before1)
-    assert all1 == all0

@@ -133,10 +133,7 @@ class StreamConfig:
     policy: dead once read, they leave L2 first; the cp.async ring only) and
     ``l2_prefetch_group`` (with ``l2_prefetch``: the ring's rolling L2
     prefetch every that many units, each row's bytes of that many units in
-    one bulk prefetch, instead of one unit's per row at every unit) and
-    ``pre_wait_units`` (> 0: the cp.async ring copies only its first that
-    many units' weights before the grid-dependency wait, the rest of its
-    lookahead right after it; 0: the whole lookahead before it)."""
+    one bulk prefetch, instead of one unit's per row at every unit)."""
 
     stages: int = 0
     warp_tiles: int = 1
@@ -151,17 +148,8 @@ class StreamConfig:
     unit_steps: int = 1
     evict_first: bool = False
     l2_prefetch_group: int = 1
-    pre_wait_units: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.pre_wait_units, bool) or not isinstance(self.pre_wait_units, int) \
-                or self.pre_wait_units < 0:
-            raise ValueError(f"StreamConfig.pre_wait_units = {self.pre_wait_units!r} must be an int >= 0 (units "
-                             "whose weights are copied before the grid wait; 0: the whole lookahead)")
-        if self.pre_wait_units and (self.tma or self.prefetch):
-            raise ValueError(f"StreamConfig: pre_wait_units = {self.pre_wait_units} splits the cp.async ring's "
-                             f"first copies around the grid wait: tma = {self.tma}, prefetch = {self.prefetch} "
-                             "must be off (False, 0)")
         if isinstance(self.l2_prefetch_group, bool) or not isinstance(self.l2_prefetch_group, int) \
                 or not 1 <= self.l2_prefetch_group <= MAX_L2_PREFETCH_GROUP:
             raise ValueError(f"StreamConfig.l2_prefetch_group = {self.l2_prefetch_group!r} must be an int in "

@@ -99,7 +99,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
     # the defaults stay out of the params (and the cache keys of binaries built before them)
     for name, default in (("warp_tiles", 1), ("prefetch", 0), ("ctas_per_sm", 1), ("wgmma", False),
                           ("l2_prefetch", 0), ("tma", False), ("splits", 0), ("unit_steps", 1),
-                          ("evict_first", False), ("l2_prefetch_group", 1), ("pre_wait_units", 0)):
+                          ("evict_first", False), ("l2_prefetch_group", 1)):
         if getattr(cfg, name) != default:
             p[name] = getattr(cfg, name)
     # StreamConfig.cluster (a bool here; the cluster design's "cluster" param counts CTAs), at every tile:
@@ -108,11 +108,7 @@ def variant(spec: Spec, cfg: StreamConfig, target: Target, max_m: int, debug: bo
         p["dsmem_reduce"] = True
     if cfg.finish_tokens:
         p["finish_tokens"] = cfg.tokens_for(max_m)
-    plan = plan_of(p)   # raises where the shape does not fit
-    if cfg.pre_wait_units and cfg.pre_wait_units >= plan.lookahead:
-        raise ValueError(f"StreamConfig: pre_wait_units = {cfg.pre_wait_units} must be below the ring's lookahead "
-                         f"of {plan.lookahead} units at this tile (max_m {max_m}, {plan.ring_stages} stages): "
-                         "use fewer, or 0 for the whole lookahead before the grid wait")
+    plan_of(p)   # raises where the shape does not fit
     return Variant.of("qkv", **p)
 
 
@@ -130,7 +126,6 @@ def render_params(p: Mapping[str, Any]) -> dict[str, Any]:
         "max_segments": plan.max_segments, "max_contributors": plan.max_contributors,
         "stages": 0 if plan.prefetch else plan.ring_stages, "stage_bytes": plan.stage_bytes,
         "lookahead": 0 if plan.prefetch else plan.lookahead,
-        "pre_wait": 0 if plan.prefetch else (p.get("pre_wait_units", 0) or plan.lookahead),
         "prefetch": plan.prefetch, "ctas_per_sm": plan.ctas_per_sm, "use_wgmma": plan.wgmma, "xn_slots": plan.xn_slots,
         "xn_by_unit": plan.xn_by_unit, "merge_floats": plan.merge_floats, "merge_ntiles": plan.merge_ntiles,
         "finish_slices": plan.finish_slices if plan.finish_tokens else 0, "finish_total": plan.finish_total,
