@@ -47,8 +47,8 @@
 #   bash benchmarks/gpu_run.sh cluster-sanitize # compute-sanitizer's four tools over 2- and 4-rank cluster finishes
 #   bash benchmarks/gpu_run.sh l2-rule          # the 16-64-token grouped L2 rule's GPU tests: test_qkv's token tiles
 #                                               # of flint-bf16 / hidden 4096 (tiles 16 / 32 / 64 of both settings),
-#                                               # graph replay per tile; compute-sanitizer's four tools over two
-#                                               # (prebuild: tools/prebuild_gpu_tests.py
+#                                               # graph replay per tile; compute-sanitizer's four tools over three
+#                                               # (L2_RULE_SANITIZE: other -k ids; prebuild: tools/prebuild_gpu_tests.py
 #                                               # qkv:flint_t64,flint_bf16_t64,bf16_4096_t64)
 #
 # Expects the DSL (or its runtime) and peers on PYTHONPATH (source .device*/setup.sh
@@ -126,7 +126,7 @@ for what in "$@"; do
                    2>&1 | tee "$OUT/l2_rule_tests.log" | tail -8
                rc=$((rc || PIPESTATUS[0]))
                bash tools/sanitize.sh l2_rule "${L2_RULE_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-                   tests/test_qkv.py -k "test_numerics_token_tiles and (flint_bf16_t64-M17 or bf16_4096_t64-M33)" ;;
+                   tests/test_qkv.py -k "test_numerics_token_tiles and (${L2_RULE_SANITIZE:-flint_bf16_t64-M17 or bf16_4096_t64-M16 or bf16_4096_t64-M33})" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
         sweep-kv-evict) python3 -m benchmarks.decode_attention_sweep --passes 5 --rotate 2>&1 | tee "$OUT/sweep.md" | tail -12

@@ -72,19 +72,22 @@ def test_variant_and_template():
     # (head_dim 64 / 128)
     k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
     # (and, up to hidden 4096, units prefetched into L2 ahead in groups: 8 / 8 for weights of at most 24 MB, else
-    # 1 / 4)
+    # 1 / 4, 1 / 8 at the 16-token tile)
     small = dict(l2_prefetch=8, l2_prefetch_group=8)
     for m in (16, 32, 64):
         assert k132(m, 128, heads=40) == EF(wgmma=True, splits=sp.SPLITS, cluster=True, **small)   # 21 MB
         assert k132(m, 64, heads=60) == EF(wgmma=True, splits=sp.SPLITS, cluster=True, **small)
         assert sp.stream_config("bf16", m, 128, hidden=4096, heads=48, ctas=132) == EF(     # 50 MB
-            wgmma=True, splits=sp.SPLITS, cluster=True, l2_prefetch=1, l2_prefetch_group=4)
+            wgmma=True, splits=sp.SPLITS, cluster=True, l2_prefetch=1, l2_prefetch_group=8 if m == 16 else 4)
         assert sp.stream_config("bf16", m, 128, hidden=4224, heads=48, ctas=132) == EF(     # not measured: none
             wgmma=True, splits=sp.SPLITS, cluster=True)
     weights = sp.L2_PREFETCH_MAX_WEIGHT_BYTES // (2 * 128 * 48)     # the bound, in hidden (48 heads of 128)
     assert k132(16, 128, heads=48).l2_prefetch == 8 and weights * 2 * 128 * 48 == sp.L2_PREFETCH_MAX_WEIGHT_BYTES
     assert sp.stream_config("bf16", 16, 128, hidden=weights, heads=48, ctas=132).l2_prefetch_group == 8
-    assert sp.stream_config("bf16", 16, 128, hidden=weights + 64, heads=48, ctas=132).l2_prefetch_group == 4
+    assert sp.stream_config("bf16", 32, 128, hidden=weights, heads=48, ctas=132).l2_prefetch_group == 8
+    assert sp.stream_config("bf16", 32, 128, hidden=weights + 64, heads=48, ctas=132).l2_prefetch_group == 4
+    big16 = sp.stream_config("bf16", 16, 128, hidden=weights + 64, heads=48, ctas=132)
+    assert (big16.l2_prefetch, big16.l2_prefetch_group) == (1, 8)     # larger weights: groups of 8 at 16 tokens
     assert k132(32, 256, heads=20).l2_prefetch == 0 and k132(32, 96, heads=40).l2_prefetch == 0  # not the cluster
     assert k132(64, 256, heads=20) == EF(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
     assert k132(32, 256, heads=20) == EF(stages=8, wgmma=True, splits=sp.SPLITS)

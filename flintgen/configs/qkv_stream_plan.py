@@ -89,6 +89,7 @@ STREAM_L2_PREFETCH_MAX_HIDDEN = 4096   # ... up to this hidden size (measured at
 # rolling prefetch) for weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES, and for larger ones (stream_config)
 STREAM_L2_PREFETCH_CLUSTER_SMALL = (8, 8)
 STREAM_L2_PREFETCH_CLUSTER = (1, 4)
+STREAM_L2_PREFETCH_CLUSTER_16 = (1, 8)   # ... and for larger ones at the 16-token tile
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens (the cluster finish fills smem)
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
@@ -271,8 +272,9 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       keep units prefetched into L2 ahead, the ring's rolling prefetch
       grouped (``l2_prefetch_group``: one bulk prefetch per row every G
       units): weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES 8 units ahead
-      in groups of 8, larger ones 1 unit ahead in groups of 4
-      (STREAM_L2_PREFETCH_CLUSTER_SMALL / STREAM_L2_PREFETCH_CLUSTER).
+      in groups of 8, larger ones 1 unit ahead in groups of 4, of 8 at the
+      16-token tile (STREAM_L2_PREFETCH_CLUSTER_SMALL /
+      STREAM_L2_PREFETCH_CLUSTER / STREAM_L2_PREFETCH_CLUSTER_16).
       qkv_evict.md run 8, H100, 3 runs with a control, GEMV / step us at
       M = 16 / 32 / 64: hidden 4096 32/8 (50 MB) 18.59 / 19.69 / 20.92 ->
       17.95 / 18.51 / 20.22 and 19.64 / 21.76 / 22.80 -> 19.56 / 20.50 /
@@ -280,14 +282,19 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       and 9.59 / 10.84 / 12.30 -> 9.58 / 10.21 / 12.34 (spreads <= 0.15).
       Swapped, each loses (hidden 4096 8 ahead: +1.0-1.2 us in the GEMV;
       flint-bf16 1 ahead in groups of 4: +0.6-1.2); one unit ahead
-      ungrouped costs 3.5-12 us (run 7)."""
+      ungrouped costs 3.5-12 us (run 7). At hidden 4096's 16-token tile
+      groups of 8 make the step 0.72 / 0.76 us faster than groups of 4
+      (runs 8 and 11: 19.56 -> 18.92, 19.40 -> 18.64; the GEMV alone +0.7 /
+      +0.2); at 32 tokens they are level in the step (-0.24, within the
+      spread), at 64 slower (+0.5), and groups of 16 are slower (run 11)."""
     cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
     if cfg is None:
         return None
     cfg = replace(cfg, evict_first=True)
     if max_m >= STREAM_MIN_TOKENS and cfg.cluster and hidden <= STREAM_L2_PREFETCH_MAX_HIDDEN:
         small = hidden * heads * head_dim * 2 <= L2_PREFETCH_MAX_WEIGHT_BYTES
-        ahead, group = STREAM_L2_PREFETCH_CLUSTER_SMALL if small else STREAM_L2_PREFETCH_CLUSTER
+        ahead, group = (STREAM_L2_PREFETCH_CLUSTER_SMALL if small else
+                        STREAM_L2_PREFETCH_CLUSTER_16 if max_m == STREAM_MIN_TOKENS else STREAM_L2_PREFETCH_CLUSTER)
         cfg = replace(cfg, l2_prefetch=ahead, l2_prefetch_group=group)
     return cfg
 
