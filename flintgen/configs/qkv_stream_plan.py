@@ -85,9 +85,11 @@ STREAM_MIN_HIDDEN_8 = 3584  # ... and the 8-token tile from this hidden size (wg
 STREAM_MIN_HIDDEN_8_UNITS = 3072  # ... or this one where hidden is a multiple of 2 K_STEP (units of two K steps)
 STREAM_L2_PREFETCH_8 = 1    # ... whose two-step-unit ring keeps this many units prefetched into L2 ahead ...
 STREAM_L2_PREFETCH_MAX_HIDDEN = 4096   # ... up to this hidden size (measured at 4096; larger: not measured)
+MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any range holds: all of it)
 # The cluster finish's tiles (16-64 tokens) up to that hidden size: (units prefetched into L2 ahead, units per
 # rolling prefetch) for weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES, and for larger ones (stream_config)
 STREAM_L2_PREFETCH_CLUSTER_SMALL = (8, 8)
+STREAM_L2_PREFETCH_CLUSTER_SMALL_64 = (MAX_L2_PREFETCH, 1)   # ... at the 64-token tile: the whole range
 STREAM_L2_PREFETCH_CLUSTER = (1, 4)
 STREAM_L2_PREFETCH_CLUSTER_16 = (1, 8)   # ... and for larger ones at the 16-token tile
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
@@ -99,7 +101,6 @@ SPLITS_MIN_FILL = 0.6   # ... where that grid is 0.6 .. 1 times the SM count (me
 MAX_CLUSTER = 8         # CTAs of a cluster (the portable limit)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
-MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any range holds: all of it)
 MAX_L2_PREFETCH_GROUP = 16  # units of one rolling L2 prefetch (StreamConfig.l2_prefetch_group)
 XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
 MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when merging a head (ring path)
@@ -272,9 +273,10 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       keep units prefetched into L2 ahead, the ring's rolling prefetch
       grouped (``l2_prefetch_group``: one bulk prefetch per row every G
       units): weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES 8 units ahead
-      in groups of 8, larger ones 1 unit ahead in groups of 4, of 8 at the
-      16-token tile (STREAM_L2_PREFETCH_CLUSTER_SMALL /
-      STREAM_L2_PREFETCH_CLUSTER / STREAM_L2_PREFETCH_CLUSTER_16).
+      in groups of 8 (at 64 tokens the whole range before the grid wait),
+      larger ones 1 unit ahead in groups of 4, of 8 at the 16-token tile
+      (STREAM_L2_PREFETCH_CLUSTER_SMALL / _SMALL_64 /
+      STREAM_L2_PREFETCH_CLUSTER / _16).
       qkv_evict.md run 8, H100, 3 runs with a control, GEMV / step us at
       M = 16 / 32 / 64: hidden 4096 32/8 (50 MB) 18.59 / 19.69 / 20.92 ->
       17.95 / 18.51 / 20.22 and 19.64 / 21.76 / 22.80 -> 19.56 / 20.50 /
@@ -286,15 +288,20 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       groups of 8 make the step 0.72 / 0.76 us faster than groups of 4
       (runs 8 and 11: 19.56 -> 18.92, 19.40 -> 18.64; the GEMV alone +0.7 /
       +0.2); at 32 tokens they are level in the step (-0.24, within the
-      spread), at 64 slower (+0.5), and groups of 16 are slower (run 11)."""
+      spread), at 64 slower (+0.5), and groups of 16 are slower (run 11).
+      flint-bf16's 64-token step with the whole range prefetched before the
+      wait: 12.34 -> 11.73 us (run 13; the GEMV alone +0.37; level at 16 /
+      32 tokens; 4 ahead in groups of 4 +1.0-1.2 us at 16 / 32)."""
     cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
     if cfg is None:
         return None
     cfg = replace(cfg, evict_first=True)
     if max_m >= STREAM_MIN_TOKENS and cfg.cluster and hidden <= STREAM_L2_PREFETCH_MAX_HIDDEN:
         small = hidden * heads * head_dim * 2 <= L2_PREFETCH_MAX_WEIGHT_BYTES
-        ahead, group = (STREAM_L2_PREFETCH_CLUSTER_SMALL if small else
-                        STREAM_L2_PREFETCH_CLUSTER_16 if max_m == STREAM_MIN_TOKENS else STREAM_L2_PREFETCH_CLUSTER)
+        if small:
+            ahead, group = STREAM_L2_PREFETCH_CLUSTER_SMALL_64 if max_m == 64 else STREAM_L2_PREFETCH_CLUSTER_SMALL
+        else:
+            ahead, group = STREAM_L2_PREFETCH_CLUSTER_16 if max_m == STREAM_MIN_TOKENS else STREAM_L2_PREFETCH_CLUSTER
         cfg = replace(cfg, l2_prefetch=ahead, l2_prefetch_group=group)
     return cfg
 
