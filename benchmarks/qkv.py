@@ -443,11 +443,9 @@ def stream_main():
                         "ring filling shared memory, where that grid is 0.6-1 x the SMs and a head is one block "
                         "(up to hidden 4096 units prefetched into L2 ahead in groups: weights <= 24 MB 8 ahead / 8, "
                         "the whole range at 64 tokens, else 1 / 4, 1 / 8 at 16 tokens), else 8 stages at 16 / 32 "
-                        "tokens and 6 at 64), stream = a "
-                        "configuration as "
-                        "labelled "
-                        "(s = stages, g = wgmma, else mma.sync; l = units prefetched into L2; k = CTAs per block, "
-                        "d = those CTAs one cluster; u = K steps per unit; e = evict-first reads)."))
+                        "tokens and 6 at 64), stream = a configuration as labelled (s = stages, g = wgmma, else "
+                        "mma.sync; l = units prefetched into L2; k = CTAs per block, d = those CTAs one cluster; "
+                        "u = K steps per unit; e = evict-first reads)."))
 
 
 def main():

@@ -71,9 +71,8 @@ def test_variant_and_template():
     # and those CTAs one cluster reducing through DSMEM, the ring filling shared memory, where a head is one block
     # (head_dim 64 / 128)
     k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
-    # (and, up to hidden 4096, units prefetched into L2 ahead in groups: 8 / 8 for weights of at most 24 MB, else
-    # 1 / 4, 1 / 8 at the 16-token tile)
-    # (the 64-token tile of weights of at most 24 MB: the whole range before the grid wait)
+    # (and, up to hidden 4096, units prefetched into L2 ahead in groups: 8 / 8 for weights of at most 24 MB, the
+    # whole range before the grid wait at 64 tokens; else 1 / 4, 1 / 8 at the 16-token tile)
     for m in (16, 32, 64):
         small = dict(l2_prefetch=sp.MAX_L2_PREFETCH) if m == 64 else dict(l2_prefetch=8, l2_prefetch_group=8)
         assert k132(m, 128, heads=40) == EF(wgmma=True, splits=sp.SPLITS, cluster=True, **small)   # 21 MB

@@ -272,26 +272,20 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
     * The cluster finish's tiles (16-64 tokens) up to the same hidden size
       keep units prefetched into L2 ahead, the ring's rolling prefetch
       grouped (``l2_prefetch_group``: one bulk prefetch per row every G
-      units): weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES 8 units ahead
-      in groups of 8 (at 64 tokens the whole range before the grid wait),
-      larger ones 1 unit ahead in groups of 4, of 8 at the 16-token tile
-      (STREAM_L2_PREFETCH_CLUSTER_SMALL / _SMALL_64 /
-      STREAM_L2_PREFETCH_CLUSTER / _16).
-      qkv_evict.md run 8, H100, 3 runs with a control, GEMV / step us at
-      M = 16 / 32 / 64: hidden 4096 32/8 (50 MB) 18.59 / 19.69 / 20.92 ->
-      17.95 / 18.51 / 20.22 and 19.64 / 21.76 / 22.80 -> 19.56 / 20.50 /
-      22.55; flint-bf16 (21 MB) 9.19 / 9.59 / 10.46 -> 8.65 / 8.98 / 10.12
-      and 9.59 / 10.84 / 12.30 -> 9.58 / 10.21 / 12.34 (spreads <= 0.15).
-      Swapped, each loses (hidden 4096 8 ahead: +1.0-1.2 us in the GEMV;
-      flint-bf16 1 ahead in groups of 4: +0.6-1.2); one unit ahead
-      ungrouped costs 3.5-12 us (run 7). At hidden 4096's 16-token tile
-      groups of 8 make the step 0.72 / 0.76 us faster than groups of 4
-      (runs 8 and 11: 19.56 -> 18.92, 19.40 -> 18.64; the GEMV alone +0.7 /
-      +0.2); at 32 tokens they are level in the step (-0.24, within the
-      spread), at 64 slower (+0.5), and groups of 16 are slower (run 11).
-      flint-bf16's 64-token step with the whole range prefetched before the
-      wait: 12.34 -> 11.73 us (run 13; the GEMV alone +0.37; level at 16 /
-      32 tokens; 4 ahead in groups of 4 +1.0-1.2 us at 16 / 32)."""
+      units). Weights of at most L2_PREFETCH_MAX_WEIGHT_BYTES: 8 units ahead
+      in groups of 8, at 64 tokens the whole range before the grid wait
+      (STREAM_L2_PREFETCH_CLUSTER_SMALL / _SMALL_64); larger ones: 1 unit
+      ahead in groups of 4, of 8 at 16 tokens (STREAM_L2_PREFETCH_CLUSTER /
+      _16). Measured on the H100 (qkv_evict.md runs 8-16, 3 runs each with
+      a control), steps / GEMV us at M = 16 / 32 / 64 against no L2
+      prefetch: hidden 4096 32/8 (50 MB) 19.64 / 21.76 / 22.80 -> 18.66 /
+      20.14 / 21.82 and 18.59 / 19.69 / 20.92 -> 18.49 / 18.36 / 20.14
+      (groups of 8 at 16 tokens: step -0.72 / -0.76 against groups of 4 in
+      two runs, the GEMV +0.1-0.2); flint-bf16 (21 MB) steps 9.59 / 10.84 /
+      12.30 -> 9.5-9.8 / 10.0-10.2 / 11.74 (the whole range at 64 tokens:
+      -0.53 / -0.61 against 8 ahead in groups of 8 in two runs, the GEMV
+      +0.4-0.55). Swapped settings, 2 / 4 / 16 units ahead, groups of 16
+      and one unit ahead ungrouped were slower or level."""
     cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
     if cfg is None:
         return None
