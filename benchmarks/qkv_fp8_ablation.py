@@ -33,6 +33,8 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
                 epilogue (q, k, v) predicated on addr < 0: never true, which ptxas cannot
                 know, so all values are computed and nothing is written
   bf16_nostore  the same on the bf16 reference (nostore - bf16_nostore: compute alone)
+  reload        is it the scale and its reciprocal held in registers across the main loop? Both read and
+                computed once the main loop is done (before the partial sums' reduction) instead
   one_copy      is it the epilogue's code size? The conversion's fast copy alone (no div.rn copy behind the
                 uniform branch), so the tail runs less cold code
 
@@ -169,6 +171,12 @@ ONE_COPY = [("""                            if kv_scale.fast():   # uniform: the
 """, 1)]
 
 
+# the scale read once the main loop is done (before the partial sums' reduction, whose latency covers it),
+# not before the grid wait: nothing of the write stays live in registers across the main loop
+SCALE_LOAD = NO_LDG[0] + "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n"
+RELOAD = [(SCALE_LOAD, "", 1),
+          ("        acc = acc[0]\n", "        acc = acc[0]\n" + SCALE_LOAD.rstrip("\n") + "   # ablation reload\n", 1)]
+
 class Ablation(QKVDef):
     """The QKVDef of one timed variant: the real template's rendering, with the epilogue
     helpers pasted in (``inline``), then ``patches``. Its own kernel name (the
@@ -214,6 +222,7 @@ VARIANTS = {a.tag: a for a in (
     Ablation("no_quant", F, False, NO_QUANT, "no conversion: bf16 low halves, the same 2-byte stores"),
     Ablation("nostore", F, True, NOSTORE, "epilogue stores (q, k, v) predicated off, values computed"),
     Ablation("bf16_nostore", B, True, NOSTORE, "bf16 reference, epilogue stores predicated off"),
+    Ablation("reload", F, False, RELOAD, "k_scale / v_scale read after the main loop, not before the grid wait"),
     Ablation("one_copy", F, True, ONE_COPY, "the conversion's fast copy alone (no div.rn copy: smaller epilogue code)"),
 )}
 _FNS: dict = {}
