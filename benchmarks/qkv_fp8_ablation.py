@@ -35,6 +35,8 @@ GEMV, PDL) and the GEMV alone; flint and h4096-32x8-bf16, M = 1 and 8, 3 interle
   bf16_nostore  the same on the bf16 reference (nostore - bf16_nostore: compute alone)
   reload        is it the scale and its reciprocal held in registers across the main loop? Both read and
                 computed once the main loop is done (before the partial sums' reduction) instead
+  bf16_e1 .. fp8_p3  another launch configuration (QKVConfig: early_dequant 1 / 3, prefetch 2 / 3 of 4) for each
+                cache: is there one whose fp8 step is no slower than bf16's production step?
   one_copy      is it the epilogue's code size? The conversion's fast copy alone (no div.rn copy behind the
                 uniform branch), so the tail runs less cold code
 
@@ -56,6 +58,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from benchmarks import qkv as bq
 from flintgen import cache, codegen, toolchain
@@ -182,10 +185,16 @@ class Ablation(QKVDef):
     helpers pasted in (``inline``), then ``patches``. Its own kernel name (the
     references keep 'qkv', so their keys are benchmarks.qkv's) keys its entries apart."""
 
-    def __init__(self, tag: str, kv: str, inline: bool = False, patches=(), doc: str = "", stream: bool = False):
+    def __init__(self, tag: str, kv: str, inline: bool = False, patches=(), doc: str = "", stream: bool = False,
+                 launch: dict | None = None):
         self.tag, self.kv, self.inline, self.doc, self.stream = tag, kv, inline, doc, stream
         self.patches = [patches] if patches and isinstance(patches[0], str) else list(patches)
+        self.launch = launch or {}   # QKVConfig fields changed from the op's own (the cluster design's)
         self.name = "qkv" if tag in REFERENCES else f"qkv_abl_{tag}"
+
+    def config(self, spec, max_m=8, target=None):
+        cfg = super().config(spec, max_m, target)
+        return replace(cfg, **self.launch) if self.launch and isinstance(cfg, QKVConfig) else cfg
 
     def source(self, spec, variant, *, inline: bool | None = None, patched: bool = True) -> str:
         src = codegen.render(variant.kernel, self.template_of(variant), dict(self.render_params(spec, variant)))
@@ -223,6 +232,11 @@ VARIANTS = {a.tag: a for a in (
     Ablation("nostore", F, True, NOSTORE, "epilogue stores (q, k, v) predicated off, values computed"),
     Ablation("bf16_nostore", B, True, NOSTORE, "bf16 reference, epilogue stores predicated off"),
     Ablation("reload", F, False, RELOAD, "k_scale / v_scale read after the main loop, not before the grid wait"),
+    # another launch configuration of the cluster design for both caches: is there one where the fp8 step is
+    # no slower than bf16's production step?
+    *(Ablation(f"{kv}_{lbl}", k, launch=ch, doc=f"{kv} cache with {ch} (QKVConfig) instead of the op's own")
+      for lbl, ch in (("e1", {"early_dequant": 1}), ("e3", {"early_dequant": 3}),
+                      ("p2", {"prefetch": 2}), ("p3", {"prefetch": 3})) for kv, k in (("bf16", B), ("fp8", F))),
     Ablation("one_copy", F, True, ONE_COPY, "the conversion's fast copy alone (no div.rn copy: smaller epilogue code)"),
 )}
 _FNS: dict = {}
