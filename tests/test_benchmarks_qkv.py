@@ -24,8 +24,10 @@ def _configs(monkeypatch, labels: str):
 
 
 def test_labels_parse(monkeypatch):
-    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, "s6g,s4c2gtl8,s6gf32k2,s8gk2d,L,L8,T,TL16")}
+    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, "s6g,s4c2gtl8,s6gf32k2,s8gk2d,L,L8,T,TL16,gl1G8k2de")}
     assert got["stream s6g"][0] == StreamConfig(stages=6, wgmma=True)
+    assert got["stream gl1G8k2de"][0] == StreamConfig(wgmma=True, l2_prefetch=1, l2_prefetch_group=8, splits=2,
+                                                      cluster=True, evict_first=True)
     assert got["stream s6gf32k2"][0] == StreamConfig(stages=6, wgmma=True, finish_tokens=32, splits=2)
     assert got["stream s8gk2d"][0] == StreamConfig(stages=8, wgmma=True, splits=2, cluster=True)
     assert got["stream s4c2gtl8"][0] == StreamConfig(stages=4, ctas_per_sm=2, wgmma=True, tma=True, l2_prefetch=8)
@@ -96,7 +98,7 @@ def test_bad_label_is_refused(monkeypatch):
     # x9, and the labels of options since removed (h: tail heads, d: pool steps, n: fused norm)
     for label in ("x9", "s6gf8h10", "s8gf8d13", "s8gn"):
         with pytest.raises(ValueError,
-                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>k<splits>\[d\]u<steps>\[e\] \("):
+                           match=rf"--configs label '{label}' is not one of: .*f<tokens>l<units>\[G<units>\]k<splits>\[d\]u<steps>\[e\] \("):
             _configs(monkeypatch, label)
 
 
