@@ -254,9 +254,8 @@ def stream_configs():
     adds streaming configs (w: 16-row tiles per warp, s: ring stages, p: units prefetched in registers (the
     register path), c: CTAs per SM, g: wgmma, t: the ring filled by TMA, f: tokens per finishing slice, l: units
     prefetched into L2 before the grid-dependency wait (G<n>: the ring's rolling prefetch n units at a time), k: CTAs
-    per block, the grid aligned to blocks, d: those CTAs
-    one cluster reducing through distributed shared memory, u: K steps of 64 per unit and ring stage, e: weights read
-    with the L2 evict-first policy) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units
+    per block, the grid aligned to blocks, d: those CTAs one cluster reducing through distributed shared memory, u:
+    K steps of 64 per unit and ring stage, e: weights read with the L2 evict-first policy) and the op's own configs with L2 prefetch (L: whole ranges / rows, L8: 8 units
     of a streaming range; L1G8: one unit ahead, the ring's rolling prefetch 8 units per bulk op and row) and / or
     the TMA ring on its wgmma tiles (T, TL, TL8) and / or, last, the weights read with the L2 evict-first policy or
     not (E, N, LE, L8N; without either, the op's own policy; ProductionVariantDef),
@@ -282,13 +281,13 @@ def stream_configs():
                                                                            evict=None if ev is None else ev == "E",
                                                                            group=int(grp or 1))))
                 continue
-            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?(?:l(\d+)(?:G(\d+))?)?"
-                                 r"(?:k(\d+))?(d)?(?:u(\d+))?(e)?", c)
+            parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?"
+                                 r"(?:l(\d+)(?:G(\d+))?)?(?:k(\d+))?(d)?(?:u(\d+))?(e)?", c)
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
-                                 "f<tokens>l<units>[G<units>]k<splits>[d]u<steps>[e] (in that order, each part optional), T, L, "
-                                 "L<units>, TL, "
-                                 "TL<units>, L<units>G<units>, each optionally followed by E or N, P")
+                                 "f<tokens>l<units>[G<units>]k<splits>[d]u<steps>[e] (in that order, each part "
+                                 "optional), T, L, L<units>, TL, TL<units>, L<units>G<units>, each optionally followed "
+                                 "by E or N, P")
             w, st, p, cs, g, tma, f, l2, grp, k, dsmem, us, ev = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),

@@ -180,6 +180,7 @@ SCALE_LOAD = NO_LDG[0] + "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n"
 RELOAD = [(SCALE_LOAD, "", 1),
           ("        acc = acc[0]\n", "        acc = acc[0]\n" + SCALE_LOAD.rstrip("\n") + "   # ablation reload\n", 1)]
 
+
 class Ablation(QKVDef):
     """The QKVDef of one timed variant: the real template's rendering, with the epilogue
     helpers pasted in (``inline``), then ``patches``. Its own kernel name (the

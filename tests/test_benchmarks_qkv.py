@@ -24,7 +24,8 @@ def _configs(monkeypatch, labels: str):
 
 
 def test_labels_parse(monkeypatch):
-    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, "s6g,s4c2gtl8,s6gf32k2,s8gk2d,L,L8,T,TL16,gl1G8k2de")}
+    labels = "s6g,s4c2gtl8,s6gf32k2,s8gk2d,L,L8,T,TL16,gl1G8k2de"
+    got = {label: (cfg, kd) for label, cfg, kd in _configs(monkeypatch, labels)}
     assert got["stream s6g"][0] == StreamConfig(stages=6, wgmma=True)
     assert got["stream gl1G8k2de"][0] == StreamConfig(wgmma=True, l2_prefetch=1, l2_prefetch_group=8, splits=2,
                                                       cluster=True, evict_first=True)
