@@ -120,13 +120,14 @@ NO_LDG = ("""        kv_scale_in = kv_quant.load_scale(
 """, "        kv_scale_in = Float32(block_size)   # ablation no_ldg: no load (a runtime value)\n", 1)
 LOAD = """            Int32(rank == 0) * Int32(head >= Q_HEADS))
 """
-RECIP_AFTER = [(LOAD + "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n", LOAD, 1),
+RECIP = "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n"   # the production reciprocal, next to the load
+RECIP_AFTER = [(LOAD + RECIP, LOAD, 1),
                ("\n        cute.arch.cluster_wait()\n",   # the one after the grid wait (8 spaces: not the loop's)
                 "\n        kv_scale = kv_quant.Scale.of(kv_scale_in)   # ablation recip_after\n"
                 "        cute.arch.cluster_wait()\n", 1)]
 # the reciprocal once xn has landed (the mbarrier wait before the main loop): nothing before the xn copies
 # waits for the scale's load (recip_before makes the grid wait follow it; recip_after the xn copies)
-RECIP_LATE = [(LOAD + "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n", LOAD, 1),
+RECIP_LATE = [(LOAD + RECIP, LOAD, 1),
               ("        cute.arch.mbarrier_wait(mbar, 0)\n\n        # ---- GEMV main loop",
                "        cute.arch.mbarrier_wait(mbar, 0)\n"
                "        kv_scale = kv_quant.Scale.of(kv_scale_in)   # ablation recip_late\n\n        # ---- GEMV main loop", 1)]
@@ -176,7 +177,7 @@ ONE_COPY = [("""                            if kv_scale.fast():   # uniform: the
 
 # the scale read once the main loop is done (before the partial sums' reduction, whose latency covers it),
 # not before the grid wait: nothing of the write stays live in registers across the main loop
-SCALE_LOAD = NO_LDG[0] + "        kv_scale = kv_quant.Scale.of(kv_scale_in)\n"
+SCALE_LOAD = NO_LDG[0] + RECIP
 RELOAD = [(SCALE_LOAD, "", 1),
           ("        acc = acc[0]\n", "        acc = acc[0]\n" + SCALE_LOAD.rstrip("\n") + "   # ablation reload\n", 1)]
 
