@@ -72,13 +72,15 @@ def test_variant_and_template():
     # (head_dim 64 / 128)
     k132 = functools.partial(sp.stream_config, "bf16", hidden=2048, ctas=132)
     # (and, up to hidden 4096, units prefetched into L2 ahead in groups: 8 / 8 for weights of at most 24 MB, the
-    # whole range before the grid wait at 64 tokens; else 1 / 4, 1 / 8 at the 16-token tile)
+    # whole range before the grid wait at 64 tokens; larger ones 1 / 4 at 32 / 64 tokens, and at 16 tokens the
+    # 8-token tile's ring of two-step units, one unit prefetched into L2 ahead)
     for m in (16, 32, 64):
         small = dict(l2_prefetch=sp.MAX_L2_PREFETCH) if m == 64 else dict(l2_prefetch=8, l2_prefetch_group=8)
         assert k132(m, 128, heads=40) == EF(wgmma=True, splits=sp.SPLITS, cluster=True, **small)   # 21 MB
         assert k132(m, 64, heads=60) == EF(wgmma=True, splits=sp.SPLITS, cluster=True, **small)
-        assert sp.stream_config("bf16", m, 128, hidden=4096, heads=48, ctas=132) == EF(     # 50 MB
-            wgmma=True, splits=sp.SPLITS, cluster=True, l2_prefetch=1, l2_prefetch_group=8 if m == 16 else 4)
+        assert sp.stream_config("bf16", m, 128, hidden=4096, heads=48, ctas=132) == (     # 50 MB
+            EF(wgmma=True, unit_steps=2, l2_prefetch=1) if m == 16 else
+            EF(wgmma=True, splits=sp.SPLITS, cluster=True, l2_prefetch=1, l2_prefetch_group=4))
         assert sp.stream_config("bf16", m, 128, hidden=4224, heads=48, ctas=132) == EF(     # not measured: none
             wgmma=True, splits=sp.SPLITS, cluster=True)
     weights = sp.L2_PREFETCH_MAX_WEIGHT_BYTES // (2 * 128 * 48)     # the bound, in hidden (48 heads of 128)
@@ -86,8 +88,10 @@ def test_variant_and_template():
     assert sp.stream_config("bf16", 16, 128, hidden=weights, heads=48, ctas=132).l2_prefetch_group == 8
     assert sp.stream_config("bf16", 32, 128, hidden=weights, heads=48, ctas=132).l2_prefetch_group == 8
     assert sp.stream_config("bf16", 32, 128, hidden=weights + 64, heads=48, ctas=132).l2_prefetch_group == 4
+    # larger weights at 16 tokens where the 8-token tile has no ring of two-step units (hidden 2112: below 3072, not
+    # a multiple of 128): the cluster ring, one unit ahead in groups of 8
     big16 = sp.stream_config("bf16", 16, 128, hidden=weights + 64, heads=48, ctas=132)
-    assert (big16.l2_prefetch, big16.l2_prefetch_group) == (1, 8)     # larger weights: groups of 8 at 16 tokens
+    assert (big16.cluster, big16.l2_prefetch, big16.l2_prefetch_group) == (True, 1, 8)
     assert k132(32, 256, heads=20).l2_prefetch == 0 and k132(32, 96, heads=40).l2_prefetch == 0  # not the cluster
     assert k132(64, 256, heads=20) == EF(stages=6, wgmma=True, finish_tokens=32, splits=sp.SPLITS)
     assert k132(32, 256, heads=20) == EF(stages=8, wgmma=True, splits=sp.SPLITS)
@@ -198,6 +202,8 @@ K3D = StreamConfig(wgmma=True, splits=3, cluster=True)               # 3 ranks: 
 K3DU = StreamConfig(wgmma=True, splits=3, cluster=True, unit_steps=2)
 GU = StreamConfig(wgmma=True, unit_steps=2)                          # the persistent grid, units of two K steps
 GU6 = StreamConfig(stages=6, wgmma=True, unit_steps=2)               # ... 6 stages (tiles of 8 and 16 tokens)
+GU2L = StreamConfig(wgmma=True, unit_steps=2, evict_first=True, l2_prefetch=1)   # the 8-token rule's ring (and the
+                                                                     # 16-token tile's of weights over 24 MB)
 
 
 # the spread finish's slices (finish_tokens): 16 and 8 tokens, with wgmma and mma.sync, and the production rule's 32
@@ -379,7 +385,8 @@ def test_stream_other_configs(cfg, m, max_tokens):
 # (name, M, config): the default ring (mma.sync) over five shapes, and the wgmma ring
 FP8 = [("oss_bf16", 8, StreamConfig()), ("oss_bf16", 64, StreamConfig()), ("d96_r24", 33, StreamConfig()),
        ("glm4", 16, StreamConfig()), ("phi4_mini", 5, StreamConfig()), ("oss_bf16", 48, WGMMA),
-       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU), ("glm4", 41, K3D), ("glm4", 7, K2DU)]
+       ("oss_bf16", 64, FIN8), ("oss_bf16", 33, K2D6), ("glm4", 40, K2DU), ("glm4", 41, K3D), ("glm4", 7, K2DU),
+       ("glm4", 16, GU2L)]
 
 
 @pytest.mark.gpu

@@ -66,7 +66,11 @@ def test_stream_wgmma_compiles_clean(name, max_m):
     # the cluster finish (the rule's where two CTAs per block fill 0.6-1 x the SMs and a head is one block) fills
     # shared memory: 12 / 10 / 8 stages at 16 / 32 / 64 tokens for head dim 128
     cluster = production and KDEF.config(spec, max_m, T132).cluster
-    units2 = production and max_m == 8 and h % 128 == 0     # the 8-token rule's units of two K steps
+    # the 8-token rule's units of two K steps, and its ring at the 16-token tile of weights over 24 MB up to hidden
+    # 4096 (bf16_4096: 50 MB)
+    big = h * (spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank) * spec.head_dim * 2 > sp.L2_PREFETCH_MAX_WEIGHT_BYTES
+    units2 = production and h % 128 == 0 and (max_m == 8 or (max_m == 16 and big
+                                                             and h <= sp.STREAM_L2_PREFETCH_MAX_HIDDEN))
     stages = {16: 12, 32: 10, 64: 8}[max_m] if cluster else (8 if production and max_m <= 32 and not units2 else 6)
     assert p["use_wgmma"] is True and p["cluster"] == cluster and p["stages"] == stages
     assert p["unit_steps"] == (2 if units2 else 1)

@@ -91,7 +91,8 @@ MAX_L2_PREFETCH = 1 << 16   # units prefetched into L2 per range (more than any 
 STREAM_L2_PREFETCH_CLUSTER_SMALL = (8, 8)
 STREAM_L2_PREFETCH_CLUSTER_SMALL_64 = (MAX_L2_PREFETCH, 1)   # ... at the 64-token tile: the whole range
 STREAM_L2_PREFETCH_CLUSTER = (1, 4)
-STREAM_L2_PREFETCH_CLUSTER_16 = (1, 8)   # ... and for larger ones at the 16-token tile
+STREAM_L2_PREFETCH_CLUSTER_16 = (1, 8)   # ... and for larger ones at the 16-token tile (where the 8-token tile has
+                                         # no ring of two-step units: else the 16-token tile takes that ring)
 STREAM_STAGES = 6       # ring depth the heuristic picks for 64-token tiles and the mma.sync ring (StreamConfig)
 STREAM_STAGES_SMALL = 8  # ... for the wgmma ring's tiles of 8, 16 and 32 tokens (the cluster finish fills smem)
 FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in two slices (stream_config)
@@ -285,15 +286,26 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
       12.30 -> 9.5-9.8 / 10.0-10.2 / 11.74 (the whole range at 64 tokens:
       -0.53 / -0.61 against 8 ahead in groups of 8 in two runs, the GEMV
       +0.4-0.55). Swapped settings, 2 / 4 / 16 units ahead, groups of 16
-      and one unit ahead ungrouped were slower or level."""
+      and one unit ahead ungrouped were slower or level.
+    * Larger weights take the 8-token tile's ring of two-step units (one CTA
+      per SM, one unit prefetched into L2 ahead) at the 16-token tile too,
+      where the 8-token tile has it (qkv_evict.md run 17, H100, 3 runs with a
+      control, hidden 4096 32/8 at M = 16 against the cluster ring in groups
+      of 8: GEMV 18.42 -> 17.41 us, 88 -> 94 % of the floor; step 18.83 ->
+      18.74, the control 18.76; 2 units ahead: GEMV 17.35, step 19.16). At
+      32 / 64 tokens that ring is slower (GEMV +1.2 / +4.5 us), as at every
+      tile of flint-bf16 (+0.6-4.9)."""
     cfg = _stream_tile(weight_format, max_m, head_dim, hidden=hidden, heads=heads, ctas=ctas)
     if cfg is None:
         return None
     cfg = replace(cfg, evict_first=True)
     if max_m >= STREAM_MIN_TOKENS and cfg.cluster and hidden <= STREAM_L2_PREFETCH_MAX_HIDDEN:
         small = hidden * heads * head_dim * 2 <= L2_PREFETCH_MAX_WEIGHT_BYTES
+        ring8 = _stream_tile(weight_format, 8, head_dim, hidden=hidden, heads=heads, ctas=ctas)
         if small:
             ahead, group = STREAM_L2_PREFETCH_CLUSTER_SMALL_64 if max_m == 64 else STREAM_L2_PREFETCH_CLUSTER_SMALL
+        elif max_m == STREAM_MIN_TOKENS and ring8 is not None and ring8.unit_steps > 1:
+            return replace(ring8, evict_first=True)     # the 8-token tile's ring of two-step units
         else:
             ahead, group = STREAM_L2_PREFETCH_CLUSTER_16 if max_m == STREAM_MIN_TOKENS else STREAM_L2_PREFETCH_CLUSTER
         cfg = replace(cfg, l2_prefetch=ahead, l2_prefetch_group=group)
