@@ -68,7 +68,8 @@ def test_stream_wgmma_compiles_clean(name, max_m):
     cluster = production and KDEF.config(spec, max_m, T132).cluster
     # the 8-token rule's units of two K steps, and its ring at the 16-token tile of weights over 24 MB up to hidden
     # 4096 (bf16_4096: 50 MB)
-    big = h * (spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank) * spec.head_dim * 2 > sp.L2_PREFETCH_MAX_WEIGHT_BYTES
+    heads = spec.q_heads_per_rank + 2 * spec.kv_heads_per_rank
+    big = h * heads * spec.head_dim * 2 > sp.L2_PREFETCH_MAX_WEIGHT_BYTES
     units2 = production and h % 128 == 0 and (max_m == 8 or (max_m == 16 and big
                                                              and h <= sp.STREAM_L2_PREFETCH_MAX_HIDDEN))
     stages = {16: 12, 32: 10, 64: 8}[max_m] if cluster else (8 if production and max_m <= 32 and not units2 else 6)
