@@ -36,23 +36,26 @@ def _release_pair(spec, batch, window):
 
 
 def _rows():
-    """Run 23: the K/V slices read with the L2 evict-first policy (``kv_evict_first``) against the op's config, on
-    the goal rows the decode issue still misses (16/2 B = 1 x 1k <= 4 us, B = 8 x 8k <= 19 us, 64/8 B = 32 window
-    128 <= 6 us) and the two bandwidth rows (B = 128 x 8k), bf16; ``--rotate``: caches rotated beyond L2 as the
-    --fp8 rows rotate theirs. Each slice is read once per launch; evict-first keeps L2 for what is read again: the
-    split partials the merge reads back, block tables, q. (Run 22's question, the fp8 64/8 B = 128 row's spread,
-    is in results/decode_attention_sweep.md.)"""
+    """Run 24 (prepared in session 37, not yet run): the 16/2 B = 1 goal row (1k <= 4 us) with 4-warp CTAs. The
+    timeline (decode_attention_timeline.md run 4) puts 0.9 us of B = 1 x 1k's 5.2 in the CTA combine over 8 warps
+    and 0.8-1.9 in publishing and merging the partials; sweep run 3 had (16 splits, 4 warps, 2 CTAs per SM) 0.5-0.7
+    us faster at 1k but 1.5-2.6x slower at 8k / 32k (too few warps streaming). 132 splits of 4 warps, 2 CTAs per
+    SM, keep today's warps per pair at 32k (528) while 1k activates 16 four-warp splits (64 // 4 slices) like run 3's
+    winner: the question is what the 132 partials cost at 8k / 32k (4 or 8 merging CTAs from 40 active splits)
+    against what the smaller CTA combine saves at 1k. Same launch shape at every length (one config per batch)."""
     from dataclasses import replace as rp
 
     from benchmarks.decode_attention import GOAL_ROWS
 
-    rows = {}
-    for spec, batch, L, window, _, _ in (GOAL_ROWS[0], GOAL_ROWS[2], GOAL_ROWS[4], GOAL_ROWS[6], GOAL_ROWS[7]):
-        op, _ = _release_pair(spec, batch, window)
-        name = f"{spec.q_heads_per_rank}/{spec.kv_heads_per_rank} B={batch} L={L // 1024}k" + (
-            f" w{window}" if window else "")
-        rows[name] = (spec, batch, L, window, [op, rp(op, kv_evict_first=True)])
-    return rows
+    spec, batch, _, window, _, _ = GOAL_ROWS[0]
+    op, _ = _release_pair(spec, batch, window)
+    four = dac.DecodeAttentionConfig(num_splits=132, num_warps=4, num_stages=2, min_pages=1, cluster=False,
+                                     ctas_per_sm=2, head_dim=128, gqa=8, merge_ctas=4,
+                                     merge_from=dac.MERGE_FROM_ACTIVE)
+    cands = [op, four, rp(four, merge_ctas=8), rp(four, num_stages=3), rp(four, num_splits=66)]
+    return {f"16/2 B=1 L={L // 1024}k": (spec, batch, L, window, cands) for L in (1024, 4096, 8192, 32768)}
+
+
 ROWS = _rows()
 
 

@@ -33,7 +33,9 @@
 #   bash benchmarks/gpu_run.sh sweep-fp8-row    # 16 interleaved passes with XQA-fp8 (written for sweep run 22,
 #                                               # the fp8 64/8 B=128 row), clocks / power / temperatures sampled
 #                                               # ($OUT/smi.csv), then that row of the fp8 table (FP8_RUNS runs)
-#   bash benchmarks/gpu_run.sh sweep-kv-evict   # sweep run 23: K/V read evict-first on the decode goal rows, 5
+#   bash benchmarks/gpu_run.sh sweep-b1         # sweep run 24: 16/2 B = 1 at 1k-32k with 4-warp CTAs (132 splits),
+#                                               # 5 interleaved passes (the sweep modes time ROWS as it is now)
+#   bash benchmarks/gpu_run.sh sweep-kv-evict   # sweep run 23 (ROWS at 652e321): K/V evict-first on the goal rows, 5
 #                                               # interleaved passes, caches rotated beyond L2; then the option's
 #                                               # GPU tests and compute-sanitizer's four tools over the first
 #   bash benchmarks/gpu_run.sh qkv-fp8-ablation # what the QKV step's fp8 write costs, variant by variant, 5 runs
@@ -129,6 +131,7 @@ for what in "$@"; do
                    tests/test_qkv.py -k "test_numerics_token_tiles and (${L2_RULE_SANITIZE:-flint_bf16_t64-M17 or bf16_4096_t64-M16 or bf16_4096_t64-M33})" ;;
         sweep) python3 -m benchmarks.decode_attention_sweep 2>&1 | tee "$OUT/sweep.md" ;;
         sweep-passes) python3 -m benchmarks.decode_attention_sweep --passes 8 --xqa 2>&1 | tee "$OUT/sweep.md" | tail -30 ;;
+        sweep-b1) python3 -m benchmarks.decode_attention_sweep --passes 5 2>&1 | tee "$OUT/sweep.md" | tail -24 ;;
         sweep-kv-evict) python3 -m benchmarks.decode_attention_sweep --passes 5 --rotate 2>&1 | tee "$OUT/sweep.md" | tail -12
                bash tools/sanitize.sh kv_evict "${KV_EVICT_LIMIT:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider \
                    tests/test_decode_attention_shapes.py -k kv_evict_first_gpu ;;
