@@ -92,7 +92,8 @@ PATCHES = [
      f"{I12}if cutlass.const_expr(CLUSTER):\n{I12}    attention_combine.cluster_reduce("),
     # The end of a streaming CTA's work (its store, or its partial published and, the merging ones, the merge).
     ("\n    @cute.jit\n    def stream_pages(",
-     f"{I12}if tid == 0:\n{I12}    _clk(st_row + 40)\n{I12}    _gt(st_row + 48)\n\n    @cute.jit\n    def stream_pages("),
+     f"{I12}if tid == 0:\n{I12}    _clk(st_row + 40)\n{I12}    _gt(st_row + 48)\n"
+     "\n    @cute.jit\n    def stream_pages("),
 ]
 
 
@@ -109,6 +110,7 @@ CONFIGS = [(3, 0), (2, 2), (3, 2)]
 def rows():
     """(label, spec, B, L, window, forced config or None); ``--rows A,B``: those whose label contains A or B."""
     from benchmarks.decode_attention import GOAL_ROWS, GPT_OSS_TP, fp8_spec
+    from flintgen.configs.decode_attention_config import MERGE_FROM_ACTIVE, DecodeAttentionConfig
 
     wide, b, L, w, *_ = GOAL_ROWS[6]
     assert (b, L, w) == (32, 8192, 128), GOAL_ROWS[6]
@@ -116,6 +118,11 @@ def rows():
     # The split goal rows the earlier decode issue left unmet (16/2 B = 1 x 1k <= 4 us, B = 8 x 8k <= 19 us).
     goal = [(f"bf16 16/2 d{spec.head_dim} B={gb} L={gl // 1024}k", spec, gb, gl, gw, None)
             for spec, gb, gl, gw, *_ in (GOAL_ROWS[0], GOAL_ROWS[2])]
+    # B = 1 x 1k with sweep run 24's 4-warp CTAs (132 splits, 2 per SM): its CTA combine and merge beside the op's.
+    spec, gb, gl, gw, *_ = GOAL_ROWS[0]
+    goal.append((f"bf16 16/2 d{spec.head_dim} B={gb} L={gl // 1024}k 132 splits x 4 warps", spec, gb, gl, gw,
+                 DecodeAttentionConfig(num_splits=132, num_warps=4, num_stages=2, min_pages=1, cluster=False,
+                                       ctas_per_sm=2, head_dim=128, gqa=8, merge_ctas=4, merge_from=MERGE_FROM_ACTIVE)))
     every = ([("fp8 64/8 d128 B=32 w128", fp8_spec(wide), b, L, w, None)]
              + [(f"fp8 64/8 d128 B=32 w128 slots {n} cap {c}", fp8_spec(wide), b, L, w, _fp8_window(n, c))
                 for n, c in CONFIGS]
@@ -249,7 +256,9 @@ def main():
         for rev, src in (sources.get(label) or {"current": None}).items():
             fn = cache.get_or_build(entry(spec, v, target, src=src)).function
             splits = dict(v.params)["num_splits"]
-            stamped, res = stamp(case, spec, fn, fp8, b, w, splits, ref, f"{label} ({rev})")
+            # Another split count merges in another order: equal to the op's within bf16 rounding, not bit-exact.
+            exact = splits == dict(variant_of(spec, b, w, target).params)["num_splits"]
+            stamped, res = stamp(case, spec, fn, fp8, b, w, splits, ref, f"{label} ({rev})", exact)
             med = {k: _median([r[k] for r in res])
                    for k in ("span", "gap", "start_spread", "end_spread", "first_end", "step")}
             ph = {n: (_median([r["phases"][n][0] for r in res]), _median([r["phases"][n][1] for r in res]))
@@ -271,9 +280,10 @@ def main():
     write_report("decode_attention_timeline", text)
 
 
-def stamp(case, spec, fn, fp8, b, w, splits, ref, label, n_calls=20):
+def stamp(case, spec, fn, fp8, b, w, splits, ref, label, exact=True, n_calls=20):
     """``fn`` (a stamped binary) on the case's rotated caches: its output checked against the op's (``ref``,
-    cache 0), then n_calls calls captured in one graph and replayed; returns (µs per call, analyse())."""
+    cache 0; ``exact``: bit for bit, else within 2^-6 relative, a few bf16 ulps), then n_calls calls captured in
+    one graph and replayed; returns (µs per call, analyse())."""
     import torch
 
     from benchmarks.harness import replay_calls
@@ -296,8 +306,12 @@ def stamp(case, spec, fn, fp8, b, w, splits, ref, label, n_calls=20):
 
     call(0)
     torch.cuda.synchronize()
-    if not torch.equal(ref, case.out):
-        raise SystemExit(f"timeline: {label}: the stamped kernel's output differs from the op's")
+    same = torch.equal(ref, case.out) if exact else torch.allclose(case.out.float(), ref.float(), rtol=2 ** -6,
+                                                                     atol=1e-3)
+    if not same:
+        diff = float((case.out.float() - ref.float()).abs().max())
+        raise SystemExit(f"timeline: {label}: the stamped kernel's output differs from the op's "
+                         f"(max |diff| {diff:.3g})")
     us = replay_calls(call, n_calls)
     return us, analyse([buf[:rows * STAMPS * 2] for buf in bufs])
 

@@ -22,10 +22,12 @@ def test_every_row_is_stamped(row):
 
 
 def test_split_goal_rows_are_there():
-    """The 16/2 goal rows run split launches (the reason the stamps moved before the partials)."""
+    """The 16/2 goal rows (and B = 1 x 1k with sweep run 24's 132 four-warp splits) run split launches (the reason
+    the stamps moved before the partials)."""
     splits = {r[0]: dict(timeline.variant_of(r[1], r[2], r[4], TARGET, r[5]).params)["num_splits"]
               for r in ROWS if "16/2" in r[0]}
-    assert len(splits) == 2 and all(n > 1 for n in splits.values()), splits
+    assert len(splits) == 3 and all(n > 1 for n in splits.values()), splits
+    assert splits["bf16 16/2 d128 B=1 L=1k 132 splits x 4 warps"] == 132
 
 
 def test_patch_that_no_longer_applies_is_refused(monkeypatch):
