@@ -35,6 +35,12 @@ def _release_pair(spec, batch, window):
     return [cfg, replace(cfg, early_release=not cfg.early_release)]
 
 
+# Run 24's candidate for 16/2 B = 1 (also stamped by decode_attention_timeline): 132 four-warp splits, 2 per SM.
+B1_FOUR_WARPS = dac.DecodeAttentionConfig(num_splits=132, num_warps=4, num_stages=2, min_pages=1, cluster=False,
+                                          ctas_per_sm=2, head_dim=128, gqa=8, merge_ctas=4,
+                                          merge_from=dac.MERGE_FROM_ACTIVE)
+
+
 def _rows():
     """Run 24 (prepared in session 37, not yet run): the 16/2 B = 1 goal row (1k <= 4 us) with 4-warp CTAs. The
     timeline (decode_attention_timeline.md run 4) puts 0.9 us of B = 1 x 1k's 5.2 in the CTA combine over 8 warps
@@ -49,9 +55,7 @@ def _rows():
 
     spec, batch, _, window, _, _ = GOAL_ROWS[0]
     op, _ = _release_pair(spec, batch, window)
-    four = dac.DecodeAttentionConfig(num_splits=132, num_warps=4, num_stages=2, min_pages=1, cluster=False,
-                                     ctas_per_sm=2, head_dim=128, gqa=8, merge_ctas=4,
-                                     merge_from=dac.MERGE_FROM_ACTIVE)
+    four = B1_FOUR_WARPS
     cands = [op, four, rp(four, merge_ctas=8), rp(four, num_stages=3), rp(four, num_splits=66)]
     return {f"16/2 B=1 L={L // 1024}k": (spec, batch, L, window, cands) for L in (1024, 4096, 8192, 32768)}
 

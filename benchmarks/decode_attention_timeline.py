@@ -110,7 +110,7 @@ CONFIGS = [(3, 0), (2, 2), (3, 2)]
 def rows():
     """(label, spec, B, L, window, forced config or None); ``--rows A,B``: those whose label contains A or B."""
     from benchmarks.decode_attention import GOAL_ROWS, GPT_OSS_TP, fp8_spec
-    from flintgen.configs.decode_attention_config import MERGE_FROM_ACTIVE, DecodeAttentionConfig
+    from benchmarks.decode_attention_sweep import B1_FOUR_WARPS
 
     wide, b, L, w, *_ = GOAL_ROWS[6]
     assert (b, L, w) == (32, 8192, 128), GOAL_ROWS[6]
@@ -121,8 +121,7 @@ def rows():
     # B = 1 x 1k with sweep run 24's 4-warp CTAs (132 splits, 2 per SM): its CTA combine and merge beside the op's.
     spec, gb, gl, gw, *_ = GOAL_ROWS[0]
     goal.append((f"bf16 16/2 d{spec.head_dim} B={gb} L={gl // 1024}k 132 splits x 4 warps", spec, gb, gl, gw,
-                 DecodeAttentionConfig(num_splits=132, num_warps=4, num_stages=2, min_pages=1, cluster=False,
-                                       ctas_per_sm=2, head_dim=128, gqa=8, merge_ctas=4, merge_from=MERGE_FROM_ACTIVE)))
+                 B1_FOUR_WARPS))
     every = ([("fp8 64/8 d128 B=32 w128", fp8_spec(wide), b, L, w, None)]
              + [(f"fp8 64/8 d128 B=32 w128 slots {n} cap {c}", fp8_spec(wide), b, L, w, _fp8_window(n, c))
                 for n, c in CONFIGS]
@@ -253,11 +252,11 @@ def main():
         op_fn = case.fp8_fn() if fp8 else case.flintgen_fn()
         plain = time_graph(op_fn)["median_us"]
         ref = op_fn.call(0).clone()
+        splits = dict(v.params)["num_splits"]
+        # Another split count merges in another order: equal to the op's within bf16 rounding, not bit-exact.
+        exact = cfg is None or splits == dict(variant_of(spec, b, w, target).params)["num_splits"]
         for rev, src in (sources.get(label) or {"current": None}).items():
             fn = cache.get_or_build(entry(spec, v, target, src=src)).function
-            splits = dict(v.params)["num_splits"]
-            # Another split count merges in another order: equal to the op's within bf16 rounding, not bit-exact.
-            exact = splits == dict(variant_of(spec, b, w, target).params)["num_splits"]
             stamped, res = stamp(case, spec, fn, fp8, b, w, splits, ref, f"{label} ({rev})", exact)
             med = {k: _median([r[k] for r in res])
                    for k in ("span", "gap", "start_spread", "end_spread", "first_end", "step")}

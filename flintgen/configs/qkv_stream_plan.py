@@ -301,13 +301,15 @@ def stream_config(weight_format: str, max_m: int, head_dim: int, *, hidden: int,
     cfg = replace(cfg, evict_first=True)
     if max_m >= STREAM_MIN_TOKENS and cfg.cluster and hidden <= STREAM_L2_PREFETCH_MAX_HIDDEN:
         small = hidden * heads * head_dim * 2 <= L2_PREFETCH_MAX_WEIGHT_BYTES
-        ring8 = _stream_tile(weight_format, 8, head_dim, hidden=hidden, heads=heads, ctas=ctas)
         if small:
             ahead, group = STREAM_L2_PREFETCH_CLUSTER_SMALL_64 if max_m == 64 else STREAM_L2_PREFETCH_CLUSTER_SMALL
-        elif max_m == STREAM_MIN_TOKENS and ring8 is not None and ring8.unit_steps > 1:
-            return replace(ring8, evict_first=True)     # the 8-token tile's ring of two-step units
+        elif max_m == STREAM_MIN_TOKENS:
+            ring8 = _stream_tile(weight_format, 8, head_dim, hidden=hidden, heads=heads, ctas=ctas)
+            if ring8 is not None and ring8.unit_steps > 1:
+                return replace(ring8, evict_first=True)     # the 8-token tile's ring of two-step units
+            ahead, group = STREAM_L2_PREFETCH_CLUSTER_16
         else:
-            ahead, group = STREAM_L2_PREFETCH_CLUSTER_16 if max_m == STREAM_MIN_TOKENS else STREAM_L2_PREFETCH_CLUSTER
+            ahead, group = STREAM_L2_PREFETCH_CLUSTER
         cfg = replace(cfg, l2_prefetch=ahead, l2_prefetch_group=group)
     return cfg
 
