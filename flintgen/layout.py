@@ -1,10 +1,16 @@
-"""Layout numbers of decode attention and the KV cache (cute-free).
+"""Layout numbers of the kernels and the KV cache (cute-free).
 
 The one place that says how many tokens a streamed slice holds, how many
-bytes a KV-cache element takes and how q rows are padded into mma tiles.
-Configs, kernel hosts, templates (through ``render_params``) and the
-``flintgen.device`` helpers read these numbers from here; nothing imports
-cutlass, so serving machines and configs can import it.
+bytes a KV-cache element takes, how q rows are padded into mma tiles, how
+the fused QKV GEMV steps through hidden and which lane of its epilogue owns
+which elements of a head (``EpilogueLanes``), and the Hopper limits the
+configs size shared memory and clusters by. Configs, kernel hosts,
+templates (through ``render_params``) and the ``flintgen.device`` helpers
+read these numbers from here; nothing imports cutlass, so serving machines
+and configs can import it. Device modules import numbers from here, never
+from ``flintgen.configs``: a kernel's cache key hashes the modules it
+imports (``cache.helpers_hash``), so a heuristic's edit does not rebuild
+binaries it leaves unchanged.
 
 KV cache (HND; ``E = kv_elem_bytes``)::
 
@@ -33,6 +39,12 @@ q_len x gqa rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Hopper (sm_90) limits every config sizes shared memory and clusters by
+SMEM_PER_SM = 228 * 1024        # shared memory per SM (H100 / H200)
+SMEM_PER_CTA_MAX = 227 * 1024   # opt-in maximum of one CTA
+CTA_SMEM_RESERVED = 1024        # shared memory the hardware reserves per CTA
+MAX_CLUSTER = 8                 # CTAs of a thread-block cluster (the portable limit, no opt-in attribute)
 
 SLICE_TOKENS = 16       # tokens per streamed slice: the mma's M (and K of P V)
 HEAD_TILE = 8           # q rows per mma tile: mma.sync.m16n8k16's N = 8 columns
@@ -155,3 +167,92 @@ class AttentionLayout:
         if page_size % SLICE_TOKENS or page_size < SLICE_TOKENS:
             raise ValueError(f"page_size = {page_size} is not a whole number of {SLICE_TOKENS}-token slices")
         return page_size // SLICE_TOKENS
+
+
+# ---------------------------------------------------------------- the fused QKV GEMV
+# Weights W [N, hidden] (bf16, or NVFP4 with one scale per 16 values) times xn [M, hidden]: the GEMV
+# walks hidden in K steps, the tokens are the mma's N.
+K_STEP = 64             # hidden values per K step: 4 quads x 16 (one NVFP4 scale block each); a stream unit's step
+MMA_N = 8               # tokens per MMA (mma.m16n8k16's N)
+ROW_STRIDE = 144        # bytes per staged row of the mma.sync ring: 128 of data + 16 of padding (conflict-free lds.128)
+XN_SLOT_BYTES = 128     # one token's K_STEP values, staged (the streaming register path)
+WARPGROUP_ROWS = 64     # weight rows of one wgmma (its M)
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+@dataclass(frozen=True)
+class EpilogueLanes:
+    """Which elements of a head each lane of the per-head epilogue owns
+    (rank 0 of a head's cluster, one warp per token; flintgen.device.head_epilogue).
+
+    A head of D elements is the rotary part [0, R) (R = rotary_dim; R = D
+    without RoPE) and the pass-through part [R, D). The R/2 rotary pairs
+    share frequency i with table columns i (cos) and R/2 + i (sin) of the
+    ``[max_pos, R]`` cos|sin table; pair i is
+
+        neox:        (x[i], x[i + R/2])
+        interleaved: (x[2i], x[2i + 1])
+
+    Lane l < ``pair_lanes`` owns the P = ``pair_e`` pairs i in [P l, P l + P),
+    i.e. the elements (one vector access per run)
+
+        neox:        [P l, P l + P) and [R/2 + P l, R/2 + P l + P)
+        interleaved: [2P l, 2P l + 2P)
+        cos | sin:   columns [P l, P l + P) and [R/2 + P l, R/2 + P l + P)
+
+    and lane l < ``pass_lanes`` the S = ``pass_e`` elements [R + S l, R + S l + S)
+    (S = 0: no pass-through part). Lanes past ``pair_lanes`` / ``pass_lanes``
+    address those of the last such lane (in bounds) but add nothing to the
+    norm and store nothing. P and S are powers of two (1, 2, 4, 8); runs start
+    at multiples of their length (aligned vector accesses).
+
+    flint (D = R = 128, NeoX): P = 2 on all 32 lanes, elements [2l, 2l + 2) and
+    [64 + 2l, 64 + 2l + 2). D = R = 96: P = 2 on 24 lanes. GLM-4 (128, R = 64):
+    P = 1 on 32 lanes, S = 2 on 32 lanes. Phi-4-mini (128, R = 96, NeoX): P = 2
+    on 24 lanes, S = 1 on 32 lanes.
+    """
+
+    head_dim: int
+    rope_dim: int
+    interleaved: bool
+    pair_e: int
+    pair_lanes: int
+    pass_e: int
+    pass_lanes: int
+
+    @classmethod
+    def of(cls, head_dim: int, rope_dim: int, interleaved: bool) -> "EpilogueLanes":
+        if rope_dim % 2 or not 2 <= rope_dim <= head_dim:
+            raise ValueError(f"qkv epilogue: rotary_dim = {rope_dim} must be even in 2..head_dim = {head_dim}")
+        half = rope_dim // 2
+        pe = _pow2_at_least(-(-half // 32))
+        if half % pe:
+            raise ValueError(
+                f"qkv: rotary_dim = {rope_dim} is not supported with head_dim {head_dim}: the epilogue gives "
+                f"each lane {pe} consecutive rotary pairs and needs rotary_dim / 2 = {half} to be a multiple of "
+                f"{pe} (supported: rotary_dim <= 64 any even, <= 128 a multiple of 4, <= 256 a multiple of 8); "
+                "use the whole head (rotary_dim = head_dim) or the unfused path")
+        rest = head_dim - rope_dim
+        se = _pow2_at_least(-(-rest // 32)) if rest else 0
+        if rest and (rest % se or rope_dim % se):
+            raise ValueError(
+                f"qkv: rotary_dim = {rope_dim} is not supported with head_dim {head_dim}: the {rest} "
+                f"pass-through dims go {se} per lane, so rotary_dim and head_dim - rotary_dim must be "
+                f"multiples of {se}; use a rotary_dim that is, or the unfused path")
+        return cls(head_dim, rope_dim, bool(interleaved), pe, half // pe, se, rest // se if rest else 0)
+
+    @property
+    def v_e(self) -> int:
+        """v heads (bits copied): the NeoX mapping of the whole head, ``v_e``
+        elements per run, runs [E l, E l + E) and [D/2 + E l, ..) on ``v_lanes`` lanes."""
+        return EpilogueLanes.of(self.head_dim, self.head_dim, False).pair_e
+
+    @property
+    def v_lanes(self) -> int:
+        return self.head_dim // 2 // self.v_e

@@ -1,5 +1,5 @@
 """The fused QKV step's per-head epilogue on the CPU: its lane mapping
-(flintgen.configs.qkv_config.EpilogueLanes: head_dim 96, partial rotary,
+(flintgen.layout.EpilogueLanes: head_dim 96, partial rotary,
 NeoX / interleaved pairs) emulated index by index against the fp32
 reference, the refusals of rotary dims it cannot split, and the references
 of the GPU tests (tests/test_qkv.py, ROPE_CASES) telling the variants apart:
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flintgen import quant
-from flintgen.configs.qkv_config import EpilogueLanes
+from flintgen.layout import EpilogueLanes
 from flintgen.presets import FLINT
 from flintgen.references.qkv import qk_norm_rope_ref, within_ulp
 from test_qkv import KDEF, ROPE_CASES, SPECS, T132

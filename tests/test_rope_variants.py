@@ -500,7 +500,7 @@ def test_rope_table_errors_new():
 
 def test_qkv_kernel_builds_partial_and_interleaved():
     """Partial rotary and interleaved pairs are variants of their own (the
-    epilogue's lane mapping, flintgen.configs.qkv_config.EpilogueLanes); a
+    epilogue's lane mapping, flintgen.layout.EpilogueLanes); a
     rotary_dim the mapping cannot split is refused, naming it and the fix."""
     from flintgen.kernels import KERNELS
     from flintgen.kernels.base import Target

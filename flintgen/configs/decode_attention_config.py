@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from flintgen.layout import HEAD_TILE, SLICE_TOKENS, AttentionLayout
+from flintgen.layout import HEAD_TILE, MAX_CLUSTER, SLICE_TOKENS, SMEM_PER_CTA_MAX, SMEM_PER_SM, AttentionLayout  # noqa: F401
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_GQA = tuple(range(1, 17))   # q heads per kv head per rank: one or two tiles of 8
@@ -53,8 +53,6 @@ MAX_STAGES = 8                         # ring slots per warp (__post_init__'s bo
 # the ring pipeline): 160 is GQA 16 at head_dim 128 (64 + 64 + 32), the
 # largest shape that compiles spill-free with both K and V held at once.
 FRAGMENT_REGISTERS = 160
-SMEM_PER_SM = 228 * 1024               # H100/H200 shared memory per SM
-SMEM_PER_CTA_MAX = 227 * 1024          # opt-in maximum of one CTA
 # Windows up to this many slices (496 tokens: 31 slices + 1 for an unaligned
 # start) count as "short": the cluster design was measured with window 128
 # (8-9 slices). Longer windows use the full-attention rule.
@@ -62,7 +60,6 @@ SHORT_WINDOW_MAX_PAGES = 32
 # Short windows of one split per pair, more pairs than SMs but at most two
 # per SM: 2 ring slots and at most 2 CTAs per SM (launch_config).
 SHORT_WINDOW_CTAS_PER_SM = 2
-MAX_CLUSTER = 8                        # portable thread-block cluster size
 # Active splits from which 4 CTAs merge a pair's 8-head partials (fewer: the
 # last CTA alone); measured crossover 32..48 (launch_config).
 MERGE_FROM_ACTIVE = 40

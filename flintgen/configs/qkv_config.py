@@ -20,14 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
-
-MAX_CLUSTER = 8          # portable cluster-size limit (no opt-in attribute needed)
-K_STEP = 64              # k per warp step: 4 threads x 16 values (one NVFP4 scale block each)
+from flintgen.layout import (CTA_SMEM_RESERVED, K_STEP, MAX_CLUSTER, MMA_N, SMEM_PER_CTA_MAX,  # noqa: F401
+                             SMEM_PER_SM, EpilogueLanes)
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)   # head dims the fused QKV step compiles and tests
 PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights (8-token tile; QKVConfig.weight_reg_budget)
 ACT_REGS_PER_NTILE = 8    # activation (B) registers of one step and 8-token n-tile: 16 bf16 values
-CTA_SMEM_RESERVED = 1024  # shared memory the hardware reserves per CTA (sm_90)
 # Registers per thread the prefetched weights may take once some of them are
 # dequantized before the grid wait: flint's 32-row CTAs use 88 (+ 38 others =
 # 126), so two 256-thread CTAs still fit an SM (160 CTAs, one wave).
@@ -40,7 +37,6 @@ L2_PREFETCH_MAX_WEIGHT_BYTES = 24 << 20
 # Hidden sizes of the fused QKV step (the GEMV's and the RMSNorm's): multiples
 # of K_STEP in this range, compiled spill-free (tests/test_qkv_grid.py).
 HIDDEN_RANGE = (512, 16384)
-MMA_N = 8                       # tokens per MMA (mma.m16n8k16's N)
 TOKEN_TILES = (8, 16, 32, 64)   # max_m of the GEMV binaries: M tokens run the binary of token_tile(M)
 # TOKEN_TILES[-1] is spec.MAX_TOKENS_LIMIT (tests/test_qkv_tokens.py); not imported here: a kernel
 # module importing flintgen.spec would hash the whole package into its cache key.
@@ -380,82 +376,3 @@ class QKVSmem:
         except ValueError:
             return False
         return True
-
-
-def _pow2_at_least(x: int) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
-
-
-@dataclass(frozen=True)
-class EpilogueLanes:
-    """Which elements of a head each lane of the per-head epilogue owns
-    (rank 0 of a head's cluster, one warp per token; flintgen.device.head_epilogue).
-
-    A head of D elements is the rotary part [0, R) (R = rotary_dim; R = D
-    without RoPE) and the pass-through part [R, D). The R/2 rotary pairs
-    share frequency i with table columns i (cos) and R/2 + i (sin) of the
-    ``[max_pos, R]`` cos|sin table; pair i is
-
-        neox:        (x[i], x[i + R/2])
-        interleaved: (x[2i], x[2i + 1])
-
-    Lane l < ``pair_lanes`` owns the P = ``pair_e`` pairs i in [P l, P l + P),
-    i.e. the elements (one vector access per run)
-
-        neox:        [P l, P l + P) and [R/2 + P l, R/2 + P l + P)
-        interleaved: [2P l, 2P l + 2P)
-        cos | sin:   columns [P l, P l + P) and [R/2 + P l, R/2 + P l + P)
-
-    and lane l < ``pass_lanes`` the S = ``pass_e`` elements [R + S l, R + S l + S)
-    (S = 0: no pass-through part). Lanes past ``pair_lanes`` / ``pass_lanes``
-    address those of the last such lane (in bounds) but add nothing to the
-    norm and store nothing. P and S are powers of two (1, 2, 4, 8); runs start
-    at multiples of their length (aligned vector accesses).
-
-    flint (D = R = 128, NeoX): P = 2 on all 32 lanes, elements [2l, 2l + 2) and
-    [64 + 2l, 64 + 2l + 2). D = R = 96: P = 2 on 24 lanes. GLM-4 (128, R = 64):
-    P = 1 on 32 lanes, S = 2 on 32 lanes. Phi-4-mini (128, R = 96, NeoX): P = 2
-    on 24 lanes, S = 1 on 32 lanes.
-    """
-
-    head_dim: int
-    rope_dim: int
-    interleaved: bool
-    pair_e: int
-    pair_lanes: int
-    pass_e: int
-    pass_lanes: int
-
-    @classmethod
-    def of(cls, head_dim: int, rope_dim: int, interleaved: bool) -> "EpilogueLanes":
-        if rope_dim % 2 or not 2 <= rope_dim <= head_dim:
-            raise ValueError(f"qkv epilogue: rotary_dim = {rope_dim} must be even in 2..head_dim = {head_dim}")
-        half = rope_dim // 2
-        pe = _pow2_at_least(-(-half // 32))
-        if half % pe:
-            raise ValueError(
-                f"qkv: rotary_dim = {rope_dim} is not supported with head_dim {head_dim}: the epilogue gives "
-                f"each lane {pe} consecutive rotary pairs and needs rotary_dim / 2 = {half} to be a multiple of "
-                f"{pe} (supported: rotary_dim <= 64 any even, <= 128 a multiple of 4, <= 256 a multiple of 8); "
-                "use the whole head (rotary_dim = head_dim) or the unfused path")
-        rest = head_dim - rope_dim
-        se = _pow2_at_least(-(-rest // 32)) if rest else 0
-        if rest and (rest % se or rope_dim % se):
-            raise ValueError(
-                f"qkv: rotary_dim = {rope_dim} is not supported with head_dim {head_dim}: the {rest} "
-                f"pass-through dims go {se} per lane, so rotary_dim and head_dim - rotary_dim must be "
-                f"multiples of {se}; use a rotary_dim that is, or the unfused path")
-        return cls(head_dim, rope_dim, bool(interleaved), pe, half // pe, se, rest // se if rest else 0)
-
-    @property
-    def v_e(self) -> int:
-        """v heads (bits copied): the NeoX mapping of the whole head, ``v_e``
-        elements per run, runs [E l, E l + E) and [D/2 + E l, ..) on ``v_lanes`` lanes."""
-        return EpilogueLanes.of(self.head_dim, self.head_dim, False).pair_e
-
-    @property
-    def v_lanes(self) -> int:
-        return self.head_dim // 2 // self.v_e

@@ -70,11 +70,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from flintgen.configs.decode_attention_config import SMEM_PER_CTA_MAX, SMEM_PER_SM
-from flintgen.configs.qkv_config import CTA_SMEM_RESERVED, L2_PREFETCH_MAX_WEIGHT_BYTES
+from flintgen.configs.qkv_config import L2_PREFETCH_MAX_WEIGHT_BYTES
+from flintgen.layout import (CTA_SMEM_RESERVED, K_STEP, MAX_CLUSTER, ROW_STRIDE, SMEM_PER_CTA_MAX,  # noqa: F401
+                             SMEM_PER_SM, WARPGROUP_ROWS, XN_SLOT_BYTES)
 
-K_STEP = 64             # k per unit (4 quads x 16 values)
-ROW_STRIDE = 144        # bytes per staged row: 128 of data + 16 of padding (conflict-free lds.128)
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
 MAX_UNIT_STEPS = 2      # K_STEP steps per unit (and ring stage): 2 for the wgmma cp.async ring
@@ -99,14 +98,11 @@ FINISH_TOKENS = 32      # the 64-token wgmma tile: completed heads finished in t
 FINISH_MAX_HEADS = 64   # ... where the slices (2 per head) fit 128 CTAs, one each
 SPLITS = 2              # wgmma tiles of 16-64 tokens: CTAs per block (the grid aligned to blocks, stream_config) ...
 SPLITS_MIN_FILL = 0.6   # ... where that grid is 0.6 .. 1 times the SM count (measured at 0.61 and 0.73)
-MAX_CLUSTER = 8         # CTAs of a cluster (the portable limit)
 MAX_PREFETCH = 8        # units in flight per warp on the register path (16 registers per unit and tile)
 MAX_CTAS_PER_SM = 4
 MAX_L2_PREFETCH_GROUP = 16  # units of one rolling L2 prefetch (StreamConfig.l2_prefetch_group)
-XN_SLOT_BYTES = 128     # one token's 64 values of one K step, staged (register path)
 MERGE_FLOATS = 96       # partial-sum loads a thread keeps in flight when merging a head (ring path)
 MERGE_FLOATS_REGISTER_PATH = 16   # the register path merges beside its next units' weights in registers
-WARPGROUP_ROWS = 64     # rows of one wgmma (flintgen.device.wgmma.WARPGROUP_ROWS)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Provenance: written for flintgen's fused QKV GEMV.
 Rank 0 holds the head's bf16 rows ``head_rows[token][d]`` ([max_m, D] in shared
 memory, gathered from the cluster through DSMEM). Warp ``w`` finishes tokens
 ``w, w + warps, ...`` (< M); the lanes split the head as the rendered
-``flintgen.configs.qkv_config.EpilogueLanes`` says: lane l owns P
+``flintgen.layout.EpilogueLanes`` says: lane l owns P
 rotary pairs (NeoX: elements [P l, P l + P) and their partners + R/2;
 interleaved: [2P l, 2P l + 2P)) and S pass-through elements [R + S l, ..)::
 
@@ -40,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from flintgen.configs.qkv_config import EpilogueLanes
+from flintgen.layout import EpilogueLanes
 from flintgen.device import kv_quant, ldst, ptx, rope
 from flintgen.device.reduce import warp_sum
 

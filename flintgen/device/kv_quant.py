@@ -68,7 +68,7 @@ the 65536 bf16 patterns against torch for ~390 scales across and past the
 safe range.
 
 A lane's runs of E = 1, 2, 4 or 8 consecutive elements
-(flintgen.configs.qkv_config.EpilogueLanes) become one E-byte store; runs
+(flintgen.layout.EpilogueLanes) become one E-byte store; runs
 start at multiples of E elements and the cache rows at multiples of 16
 bytes (strides checked on the host), so every store is aligned.
 """

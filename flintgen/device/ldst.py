@@ -189,7 +189,7 @@ def ldg_nc_u16(addr, *, loc=None, ip=None):
 
 # ---------------------------------------------------------------- E-wide bf16 / fp32 runs
 # A lane of the per-head epilogue owns runs of E consecutive elements (bf16: 1,
-# 2, 4 or 8; fp32: 1, 2 or 4; flintgen.configs.qkv_config.EpilogueLanes):
+# 2, 4 or 8; fp32: 1, 2 or 4; flintgen.layout.EpilogueLanes):
 # these pick the one access that moves them. Trace-time dispatch.
 def _bf16_words(e: int) -> None:
     if e not in (1, 2, 4, 8):

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from flintgen.configs.qkv_stream_plan import K_STEP
+from flintgen.layout import K_STEP
 from flintgen.device.wgmma import ROW_BYTES
 
 

@@ -38,7 +38,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from flintgen.configs.qkv_stream_plan import K_STEP, ROW_STRIDE, XN_SLOT_BYTES
+from flintgen.layout import K_STEP, ROW_STRIDE, XN_SLOT_BYTES
 from flintgen.device import ldst, ptx, wgmma
 from flintgen.device.ptx import _asm
 

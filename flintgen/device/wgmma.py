@@ -35,7 +35,7 @@ from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from flintgen.configs.qkv_stream_plan import K_STEP, WARPGROUP_ROWS  # noqa: F401  (the M of one wgmma)
+from flintgen.layout import K_STEP, WARPGROUP_ROWS  # noqa: F401  (the M of one wgmma)
 from flintgen.device.ptx import _asm
 
 ROW_BYTES = K_STEP * 2             # a row of a unit: one 128-byte swizzle row

@@ -48,10 +48,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from flintgen import layout
-from flintgen.configs.qkv_config import (HIDDEN_RANGE, K_STEP, MMA_N, EpilogueLanes, QKVConfig, QKVSmem, token_tile,
-                                         token_tiles)
+from flintgen.configs.qkv_config import HIDDEN_RANGE, QKVConfig, QKVSmem, token_tile, token_tiles
 from flintgen.kernels import checks, kv_scales, qkv_stream
 from flintgen.kernels.base import KernelDef, Loader, Target, Variant
+from flintgen.layout import K_STEP, MMA_N, EpilogueLanes
 from flintgen.spec import MAX_TOKENS_LIMIT, Spec
 
 _PARAM_KEYS = ("hidden", "q_heads", "kv_heads", "head_dim", "weight_format", "bias", "rope",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from flintgen import layout
-from flintgen.configs.qkv_config import EpilogueLanes
+from flintgen.layout import EpilogueLanes
 from flintgen.configs.qkv_stream_plan import (MAX_L2_PREFETCH, STREAM_STAGES, StreamConfig, StreamPlan,  # noqa: F401
                                              stream_config)
 from flintgen.kernels.base import Target, Variant
