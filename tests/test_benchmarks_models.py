@@ -105,3 +105,13 @@ def test_fp8_rows_selects_by_label():
 def test_fp8_rows_refuses_a_string_matching_no_row(select):
     with pytest.raises(ValueError, match=r"matches no --fp8 row; give parts of the labels that --fp8 --list prints"):
         da.fp8_rows(select)
+
+
+def test_fp8_table_rotates_the_timing_order():
+    """--fp8 times the three implementations in a rotated order per run: each is first once in three runs, every
+    run times all of them once."""
+    names = ("flintgen", "flintgen bf16", "XQA-fp8")
+    orders = [da.rotated(names, i) for i in range(4)]
+    assert orders[0] == names and orders[3] == names
+    assert [o[0] for o in orders[:3]] == list(names)
+    assert all(sorted(o) == sorted(names) for o in orders)
