@@ -20,7 +20,7 @@ from flintgen import cache, codegen
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef
-from flintgen.layout import AttentionLayout
+from flintgen.layout import SMEM_PER_SM, AttentionLayout
 from flintgen.presets import FLINT
 from flintgen.references.decode_attention import decode_attention_ref, rel_error
 
@@ -152,7 +152,7 @@ def test_rendered_source_is_specialized():
         assert f"SLIDING = {v['sliding']}\n" in src   # code paths branch on constants (const_expr)
         if v["ctas_per_sm"]:   # smem padded so that at most ctas_per_sm CTAs fit an SM
             ring = v["num_warps"] * v["num_stages"] * AttentionLayout(head_dim=128, gqa=8).slice_bytes
-            assert (ring + params["pad_bytes"]) * (v["ctas_per_sm"] + 1) > dac.SMEM_PER_SM
+            assert (ring + params["pad_bytes"]) * (v["ctas_per_sm"] + 1) > SMEM_PER_SM
 
 
 # ----------------------------------------------------------------- validation (CPU)

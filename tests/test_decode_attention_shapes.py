@@ -25,7 +25,7 @@ from flintgen import codegen
 from flintgen.configs import decode_attention_config as dac
 from flintgen.kernels.base import Target
 from flintgen.kernels.decode_attention import DecodeAttentionDef, _check_softcap
-from flintgen.layout import AttentionLayout
+from flintgen.layout import SMEM_PER_SM, AttentionLayout
 from flintgen.presets import FLINT
 
 from decode_attention_cases import Case, check_compiled, lens_for, precompile, record, refill
@@ -70,7 +70,7 @@ def test_configs_valid_for_every_shape(gqa, head_dim, page):
                     assert c.cluster == (sliding and window == 128 and b * kv <= 64 and 2 * b * kv <= sms)   # one wave
                     assert c.scratch_bytes <= c.ring_bytes and c.dims_per_thread >= 4
                     if c.ctas_per_sm:
-                        assert c.ring_bytes <= dac.SMEM_PER_SM // c.ctas_per_sm
+                        assert c.ring_bytes <= SMEM_PER_SM // c.ctas_per_sm
                 assert dac.max_partials(cfgs, kv) <= 3 * sms   # head_dim 64: 3 splits x 88 pairs
 
 
@@ -205,7 +205,7 @@ def test_rendered_source_follows_the_shape(gqa, head_dim, page):
         if v["ctas_per_sm"]:
             ring = v["num_warps"] * v["num_stages"] * AttentionLayout(head_dim=head_dim, gqa=gqa).slice_bytes
             pad = KDEF.render_params(spec, v)["pad_bytes"]
-            assert (ring + pad) * (v["ctas_per_sm"] + 1) > dac.SMEM_PER_SM
+            assert (ring + pad) * (v["ctas_per_sm"] + 1) > SMEM_PER_SM
 
 
 # ----------------------------------------------------------------- compile

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from flintgen.layout import HEAD_TILE, MAX_CLUSTER, SLICE_TOKENS, SMEM_PER_CTA_MAX, SMEM_PER_SM, AttentionLayout  # noqa: F401
+from flintgen.layout import HEAD_TILE, SLICE_TOKENS, SMEM_PER_CTA_MAX, AttentionLayout
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 SUPPORTED_GQA = tuple(range(1, 17))   # q heads per kv head per rank: one or two tiles of 8

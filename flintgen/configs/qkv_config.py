@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from flintgen.layout import (CTA_SMEM_RESERVED, K_STEP, MAX_CLUSTER, MMA_N, SMEM_PER_CTA_MAX,  # noqa: F401
                              SMEM_PER_SM, EpilogueLanes)
+
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)   # head dims the fused QKV step compiles and tests
 PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights (8-token tile; QKVConfig.weight_reg_budget)
 ACT_REGS_PER_NTILE = 8    # activation (B) registers of one step and 8-token n-tile: 16 bf16 values

@@ -40,9 +40,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from flintgen.layout import EpilogueLanes
 from flintgen.device import kv_quant, ldst, ptx, rope
 from flintgen.device.reduce import warp_sum
+from flintgen.layout import EpilogueLanes
 
 Q_EB = 2  # bytes per q element (bf16 whatever the cache holds)
 

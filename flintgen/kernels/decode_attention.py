@@ -145,7 +145,7 @@ class DecodeAttentionDef(KernelDef):
             kv_evict_first=p.get("kv_evict_first", False))
         pad = 0
         if cfg.ctas_per_sm:
-            pad = max(0, dac.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
+            pad = max(0, layout.SMEM_PER_SM // (cfg.ctas_per_sm + 1) + 1 - cfg.ring_bytes)
         p["pad_bytes"] = pad
         p["merge_dims"] = cfg.merge_dims
         p["softcap"] = bool(p.get("softcap", False))

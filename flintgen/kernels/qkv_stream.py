@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from flintgen import layout
-from flintgen.layout import EpilogueLanes
 from flintgen.configs.qkv_stream_plan import (MAX_L2_PREFETCH, STREAM_STAGES, StreamConfig, StreamPlan,  # noqa: F401
                                              stream_config)
 from flintgen.kernels.base import Target, Variant
 from flintgen.kernels.workspace import DeviceBuffers
+from flintgen.layout import EpilogueLanes
 from flintgen.spec import Spec
 
 TEMPLATE = "qkv_stream.py.j2"
