@@ -498,8 +498,8 @@ def _first_outputs(fns):
 def rotated(names, i):
     """``names`` from its ``i``-th (mod its length) on: the order run ``i`` of a row times the implementations in,
     so none is always timed first. On the H200 (2026-12-07, decode_attention_fp8.md) the first run of a large row,
-    right after the row's fp64 reference left the GPU idle, timed flintgen fp8 (then always first) 7-8 % faster than
-    its later runs (64/8 B = 128 x 8k 520-524 against 561-568 µs) while XQA-fp8's and the bf16 path's runs agreed
+    right after the row's eager checks and fp64 reference (light GPU work), timed flintgen fp8 (then always first)
+    7-8 % faster than its later runs (64/8 B = 128 x 8k 520-524 against 561-568 µs) while XQA-fp8's and the bf16 path's runs agreed
     within 1 µs; fp8_table also times every implementation once, untimed, before the runs."""
     k = i % len(names)
     return tuple(names[k:]) + tuple(names[:k])
@@ -525,7 +525,7 @@ def fp8_table(runs, bw, rows=FP8_ROWS):
                "XQA-fp8": case.xqa_fn()}
         outs = _first_outputs(fns)
         errs, n_ref = case.errors(outs)
-        for name in names:   # untimed: no run times a GPU that sat idle through the reference (see rotated)
+        for name in names:   # untimed: no run times a GPU that ran only the row's light checks (see rotated)
             timed(name, *fns[name])
         per = [{name: timed(name, *fns[name]) for name in rotated(names, i)} for i in range(runs)]
         med, peers, extra = summarize(per, names)
