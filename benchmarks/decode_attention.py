@@ -499,8 +499,8 @@ def rotated(names, i):
     """``names`` from its ``i``-th (mod its length) on: the order run ``i`` of a row times the implementations in,
     so none is always timed first. On the H200 (2026-12-07, decode_attention_fp8.md) the first run of a large row,
     right after the row's eager checks and fp64 reference (light GPU work), timed flintgen fp8 (then always first)
-    7-8 % faster than its later runs (64/8 B = 128 x 8k 520-524 against 561-568 µs) while XQA-fp8's and the bf16 path's runs agreed
-    within 1 µs; fp8_table also times every implementation once, untimed, before the runs."""
+    7-8 % faster than its later runs (64/8 B = 128 x 8k 520-524 against 561-568 µs) while XQA-fp8's and the bf16
+    path's runs agreed within 1.3 µs; fp8_table also times every implementation once, untimed, before the runs."""
     k = i % len(names)
     return tuple(names[k:]) + tuple(names[:k])
 

@@ -42,7 +42,7 @@ B1_FOUR_WARPS = dac.DecodeAttentionConfig(num_splits=132, num_warps=4, num_stage
 
 
 def _rows():
-    """Run 24 (run on the H200 in session 38: every candidate slower, 1k 5.27 -> 5.56-5.68 us, 4k-32k +1.3-2.2;
+    """Run 24 (run on the H200 in session 38: no candidate faster: 132 splits 1k 5.27 -> 5.56-5.68 us, 4k-32k +1.8-2.9;
     decode_attention_sweep.md): the 16/2 B = 1 goal row (1k <= 4 us) with 4-warp CTAs. The
     timeline (decode_attention_timeline.md run 4) puts 0.9 us of B = 1 x 1k's 5.2 in the CTA combine over 8 warps
     and 0.8-1.9 in publishing and merging the partials; sweep run 3 had (16 splits, 4 warps, 2 CTAs per SM) 0.5-0.7
