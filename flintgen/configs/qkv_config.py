@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flintgen.layout import (CTA_SMEM_RESERVED, K_STEP, MAX_CLUSTER, MMA_N, SMEM_PER_CTA_MAX,  # noqa: F401
-                             SMEM_PER_SM, EpilogueLanes)
+from flintgen.layout import CTA_SMEM_RESERVED, K_STEP, MAX_CLUSTER, MMA_N, SMEM_PER_CTA_MAX, SMEM_PER_SM
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)   # head dims the fused QKV step compiles and tests
 PREFETCH_REG_BUDGET = 64  # registers per thread holding in-flight weights (8-token tile; QKVConfig.weight_reg_budget)

@@ -71,8 +71,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flintgen.configs.qkv_config import L2_PREFETCH_MAX_WEIGHT_BYTES
-from flintgen.layout import (CTA_SMEM_RESERVED, K_STEP, MAX_CLUSTER, ROW_STRIDE, SMEM_PER_CTA_MAX,  # noqa: F401
-                             SMEM_PER_SM, WARPGROUP_ROWS, XN_SLOT_BYTES)
+from flintgen.layout import (CTA_SMEM_RESERVED, K_STEP, MAX_CLUSTER, ROW_STRIDE, SMEM_PER_CTA_MAX, SMEM_PER_SM,
+                             WARPGROUP_ROWS, XN_SLOT_BYTES)
 
 MAX_BLOCK_ROWS = 128    # rows per block (8 warps); 256-dim heads take two blocks
 MAX_STAGES = 16         # ring depth cap (a 32-bit stage index, small unrolled prologue)
