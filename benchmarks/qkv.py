@@ -231,13 +231,19 @@ class ProductionVariantDef(QKVDef):
     ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one, and no read
     policy) and / or the weights read with the L2 evict-first policy or not (``evict``; None: the op's own)."""
 
-    def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None, group: int = 1):
+    def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None, group: int = 1,
+                 no_l2: bool = False):
         super().__init__()
-        self.l2, self.tma, self.evict, self.group = l2, tma, evict, group
+        if no_l2 and l2:
+            raise ValueError(f"ProductionVariantDef: no_l2 with l2 = {l2}: one or the other")
+        self.l2, self.tma, self.evict, self.group, self.no_l2 = l2, tma, evict, group, no_l2
 
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
         evict = cfg.evict_first if self.evict is None else self.evict   # None: the op's own read policy
+        if self.no_l2:   # X: no L2 prefetch on either design
+            stream = isinstance(cfg, qkv_stream.StreamConfig)
+            cfg = replace(cfg, l2_prefetch=0, l2_prefetch_group=1) if stream else replace(cfg, l2_prefetch=False)
         if isinstance(cfg, qkv_stream.StreamConfig):
             # L<n>[G<g>] replaces the op's L2 prefetch (n units ahead, g per rolling prefetch), else it is kept
             l2, group = (self.l2, self.group) if self.l2 else (cfg.l2_prefetch, cfg.l2_prefetch_group)
@@ -257,7 +263,7 @@ def stream_configs():
     per block, the grid aligned to blocks, d: those CTAs one cluster reducing through distributed shared memory, u:
     K steps of 64 per unit and ring stage, e: weights read with the L2 evict-first policy) and the op's own configs
     with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range; L1G8: one unit ahead, the ring's
-    rolling prefetch 8 units per bulk op and row) and / or the TMA ring on its wgmma tiles (T, TL, TL8) and / or,
+    rolling prefetch 8 units per bulk op and row; X: none) and / or the TMA ring on its wgmma tiles (T, TL, TL8) and / or,
     last, the weights read with the L2 evict-first policy or not (E, N, LE, L8N; without either, the op's own policy;
     ProductionVariantDef),
     and P: the op's own binaries again through an op of their own, timed where P stands in the list (a control:
@@ -274,13 +280,14 @@ def stream_configs():
             if c == "P":
                 out.append(("production control", None, KDEF))
                 continue
-            prod = re.fullmatch(r"(T)?(?:L(\d*)(?:G(\d+))?)?([EN])?", c)
-            if c and prod:   # T: TMA weights, L: L2 prefetch (all of a range; L8: 8 units; G<n>: the ring's
-                tma, l2, grp, ev = prod.groups()   # rolling prefetch n units at a time), E / N: evict-first
-                l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)   # reads or not (else the op's own)
-                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,
+            prod = re.fullmatch(r"(T)?(?:(X)|L(\d*)(?:G(\d+))?)?([EN])?", c)
+            if c and prod:   # T: TMA weights, X: no L2 prefetch, L: L2 prefetch (all of a range; L8: 8 units;
+                tma, x, l2, grp, ev = prod.groups()   # G<n>: the ring's rolling prefetch n units at a time),
+                l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)   # E / N: evict-first reads or not
+                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,   # (else the
                                                                            evict=None if ev is None else ev == "E",
-                                                                           group=int(grp or 1))))
+                                                                           group=int(grp or 1),   # op's own)
+                                                                           no_l2=x is not None)))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?"
                                  r"(?:l(\d+)(?:G(\d+))?)?(?:k(\d+))?(d)?(?:u(\d+))?(e)?", c)
@@ -288,7 +295,7 @@ def stream_configs():
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
                                  "f<tokens>l<units>[G<units>]k<splits>[d]u<steps>[e] (in that order, each part "
                                  "optional), T, L, L<units>, TL, TL<units>, L<units>G<units>, each optionally followed "
-                                 "by E or N, P")
+                                 "by E or N, X, XE, XN, P")
             w, st, p, cs, g, tma, f, l2, grp, k, dsmem, us, ev = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),

@@ -85,6 +85,26 @@ def test_production_variant_def_keeps_the_ops_l2_prefetch():
     assert cfg == StreamConfig(**{**base.__dict__, "tma": True, "unit_steps": 1, "evict_first": False})
 
 
+def test_production_variant_def_without_l2_prefetch(monkeypatch):
+    """X: the op's own configuration at every tile with no L2 prefetch on either design (XN: nor evict-first
+    reads), nothing else changed."""
+    got = dict((label, kd) for label, _, kd in _configs(monkeypatch, "X,XN"))
+    for spec, _ in bq.token_specs()[1:]:   # flint-bf16 (cluster design up to 8 tokens), hidden 4096 (streaming)
+        for t in token_tiles(spec.max_tokens):
+            base = bq.KDEF.config(spec, t, SM90)
+            x, xn = got["production X"].config(spec, t, SM90), got["production XN"].config(spec, t, SM90)
+            if isinstance(base, QKVConfig):
+                assert x == xn == QKVConfig(base.rows, base.cluster, base.warps, base.prefetch, base.early_dequant,
+                                            False)
+            else:
+                assert x == StreamConfig(**{**base.__dict__, "l2_prefetch": 0, "l2_prefetch_group": 1})
+                assert xn == StreamConfig(**{**x.__dict__, "evict_first": False})
+    assert any(isinstance(bq.KDEF.config(s, t, SM90), StreamConfig) and bq.KDEF.config(s, t, SM90).l2_prefetch
+               for s, _ in bq.token_specs() for t in token_tiles(s.max_tokens))   # X changes something
+    with pytest.raises(ValueError, match="no_l2 with l2 = 8"):
+        bq.ProductionVariantDef(l2=8, no_l2=True)
+
+
 def test_gpu_run_stream_ab_labels_build_variants(monkeypatch):
     """Every label of gpu_run.sh's stream-ab parses and gives a variant for every tile of both specs."""
     text = open(GPU_RUN).read()
