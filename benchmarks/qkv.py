@@ -263,9 +263,9 @@ def stream_configs():
     per block, the grid aligned to blocks, d: those CTAs one cluster reducing through distributed shared memory, u:
     K steps of 64 per unit and ring stage, e: weights read with the L2 evict-first policy) and the op's own configs
     with L2 prefetch (L: whole ranges / rows, L8: 8 units of a streaming range; L1G8: one unit ahead, the ring's
-    rolling prefetch 8 units per bulk op and row; X: none) and / or the TMA ring on its wgmma tiles (T, TL, TL8) and / or,
-    last, the weights read with the L2 evict-first policy or not (E, N, LE, L8N; without either, the op's own policy;
-    ProductionVariantDef),
+    rolling prefetch 8 units per bulk op and row; X: none on either design) and / or the TMA ring on its wgmma
+    tiles (T, TL, TL8) and / or, last, the weights read with the L2 evict-first policy or not (E, N, LE, L8N, XN;
+    without either, the op's own policy; ProductionVariantDef),
     and P: the op's own binaries again through an op of their own, timed where P stands in the list (a control:
     what two timings of identical binaries differ by in one process, 0.7 us in the step once,
     qkv_stream_cluster.md third A/B); ``--no-fill`` leaves out the ring filling shared memory. A config a spec
