@@ -229,7 +229,8 @@ class ProductionVariantDef(QKVDef):
     grid-dependency wait (``l2``: units per range on the streaming design, a huge number for the whole
     range; the rows' rest on the cluster design) and / or the TMA ring on the streaming wgmma tiles (``tma``; the TMA
     ring takes one-step units, so a tile of two-step units, the 8-token rule's, also goes back to one, and no read
-    policy) and / or the weights read with the L2 evict-first policy or not (``evict``; None: the op's own)."""
+    policy) and / or the weights read with the L2 evict-first policy or not (``evict``; None: the op's own);
+    ``no_l2``: no L2 prefetch on either design (instead of ``l2``)."""
 
     def __init__(self, l2: int = 0, tma: bool = False, evict: bool | None = None, group: int = 1,
                  no_l2: bool = False):
@@ -280,14 +281,15 @@ def stream_configs():
             if c == "P":
                 out.append(("production control", None, KDEF))
                 continue
+            # T: TMA weights; X: no L2 prefetch, L: L2 prefetch (all of a range; L8: 8 units; G<n>: the ring's
+            # rolling prefetch n units at a time); E / N: evict-first reads or not (else the op's own)
             prod = re.fullmatch(r"(T)?(?:(X)|L(\d*)(?:G(\d+))?)?([EN])?", c)
-            if c and prod:   # T: TMA weights, X: no L2 prefetch, L: L2 prefetch (all of a range; L8: 8 units;
-                tma, x, l2, grp, ev = prod.groups()   # G<n>: the ring's rolling prefetch n units at a time),
-                l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)   # E / N: evict-first reads or not
-                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,   # (else the
+            if c and prod:
+                tma, x, l2, grp, ev = prod.groups()
+                l2 = 0 if l2 is None else int(l2 or qkv_stream.MAX_L2_PREFETCH)
+                out.append((f"production {c}", None, ProductionVariantDef(l2=l2, tma=tma is not None,
                                                                            evict=None if ev is None else ev == "E",
-                                                                           group=int(grp or 1),   # op's own)
-                                                                           no_l2=x is not None)))
+                                                                           group=int(grp or 1), no_l2=x is not None)))
                 continue
             parts = re.fullmatch(r"(?:w(\d+))?(?:s(\d+))?(?:p(\d+))?(?:c(\d+))?(g)?(t)?(?:f(\d+))?"
                                  r"(?:l(\d+)(?:G(\d+))?)?(?:k(\d+))?(d)?(?:u(\d+))?(e)?", c)
