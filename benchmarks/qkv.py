@@ -242,18 +242,17 @@ class ProductionVariantDef(QKVDef):
     def config(self, spec, max_m=8, target=None):
         cfg = super().config(spec, max_m, target)
         evict = cfg.evict_first if self.evict is None else self.evict   # None: the op's own read policy
-        if self.no_l2:   # X: no L2 prefetch on either design
-            stream = isinstance(cfg, qkv_stream.StreamConfig)
-            cfg = replace(cfg, l2_prefetch=0, l2_prefetch_group=1) if stream else replace(cfg, l2_prefetch=False)
         if isinstance(cfg, qkv_stream.StreamConfig):
-            # L<n>[G<g>] replaces the op's L2 prefetch (n units ahead, g per rolling prefetch), else it is kept
-            l2, group = (self.l2, self.group) if self.l2 else (cfg.l2_prefetch, cfg.l2_prefetch_group)
+            # L<n>[G<g>] replaces the op's L2 prefetch (n units ahead, g per rolling prefetch), X drops it, else
+            # it is kept
+            l2, group = ((self.l2, self.group) if self.l2 else (0, 1) if self.no_l2
+                         else (cfg.l2_prefetch, cfg.l2_prefetch_group))
             if self.tma and cfg.wgmma:   # the TMA ring's units are one K step (and take no read policy)
                 return replace(cfg, l2_prefetch=l2, l2_prefetch_group=group, tma=True, unit_steps=1,
                                evict_first=False)
             return replace(cfg, l2_prefetch=l2, l2_prefetch_group=group, evict_first=evict)
-        # the cluster design: L2 or the op's own
-        return replace(cfg, l2_prefetch=cfg.l2_prefetch or self.l2 > 0, evict_first=evict)
+        # the cluster design: L2, none (X) or the op's own
+        return replace(cfg, l2_prefetch=not self.no_l2 and (cfg.l2_prefetch or self.l2 > 0), evict_first=evict)
 
 
 def stream_configs():
@@ -296,8 +295,8 @@ def stream_configs():
             if not c or parts is None:
                 raise ValueError(f"--configs label {c!r} is not one of: w<tiles>s<stages>p<units>c<ctas>[g][t]"
                                  "f<tokens>l<units>[G<units>]k<splits>[d]u<steps>[e] (in that order, each part "
-                                 "optional), T, L, L<units>, TL, TL<units>, L<units>G<units>, each optionally followed "
-                                 "by E or N, X, XE, XN, P")
+                                 "optional), T, X, L, L<units>, TL, TL<units>, L<units>G<units>, each optionally "
+                                 "followed by E or N, P")
             w, st, p, cs, g, tma, f, l2, grp, k, dsmem, us, ev = parts.groups()
             out.append((f"stream {c}", qkv_stream.StreamConfig(stages=int(st or 0), warp_tiles=int(w or 1),
                                                                 prefetch=int(p or 0), ctas_per_sm=int(cs or 1),
